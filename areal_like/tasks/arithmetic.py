@@ -1,0 +1,136 @@
+"""Arithmetic problems with exactly checkable answers, the quickstart's task.
+
+Problems are `abc+def` (3-digit + 3-digit) and `abc*de` (3-digit × 2-digit): a tiny
+model cannot multiply in its head, so it learns to call the calculator and copy the
+result (DESIGN.md §8). Rows follow the dataset format of DESIGN.md §9.11: `prompt`
+(chat messages), `answer`, `agent_name`, `data_source`.
+
+The calculator parses numbers itself (leading zeros allowed) with a tiny
+recursive-descent parser over `+ - * ( )` and integers; no `eval`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+__all__ = [
+    "CalculatorError",
+    "calculate",
+    "make_problem",
+    "generate_problems",
+    "extract_answer",
+    "arithmetic_reward",
+]
+
+_MAX_EXPR = 64
+_MAX_DIGITS = 18
+_TOKEN = re.compile(r"\s*(\d+|[-+*()])")
+
+
+class CalculatorError(ValueError):
+    """The expression is not integer arithmetic over + - * and parentheses."""
+
+
+def calculate(expression: str) -> int:
+    """Evaluate integer `+ - *` arithmetic with parentheses, precedence as usual."""
+    if not isinstance(expression, str):
+        raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
+    if len(expression) > _MAX_EXPR:
+        raise CalculatorError(f"expression longer than {_MAX_EXPR} characters")
+    tokens: list[str] = []
+    pos = 0
+    text = expression.strip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise CalculatorError(f"unexpected character {text[pos]!r} at position {pos}")
+        tokens.append(m.group(1))
+        pos = m.end()
+    if not tokens:
+        raise CalculatorError("empty expression")
+    value, rest = _sum(tokens)
+    if rest:
+        raise CalculatorError(f"unexpected {rest[0]!r} after a complete expression")
+    return value
+
+
+def _sum(t: list[str]) -> tuple[int, list[str]]:
+    value, t = _product(t)
+    while t and t[0] in "+-":
+        op, (rhs, t) = t[0], _product(t[1:])
+        value = value + rhs if op == "+" else value - rhs
+    return value, t
+
+
+def _product(t: list[str]) -> tuple[int, list[str]]:
+    value, t = _atom(t)
+    while t and t[0] == "*":
+        rhs, t = _atom(t[1:])
+        value *= rhs
+        if abs(value) >= 10**_MAX_DIGITS:
+            raise CalculatorError("result too large")
+    return value, t
+
+
+def _atom(t: list[str]) -> tuple[int, list[str]]:
+    if not t:
+        raise CalculatorError("expression ends where a number was expected")
+    head = t[0]
+    if head == "(":
+        value, rest = _sum(t[1:])
+        if not rest or rest[0] != ")":
+            raise CalculatorError("missing ')'")
+        return value, rest[1:]
+    if head == "-":
+        value, rest = _atom(t[1:])
+        return -value, rest
+    if head.isdigit():
+        if len(head) > _MAX_DIGITS:
+            raise CalculatorError(f"number with more than {_MAX_DIGITS} digits")
+        return int(head), t[1:]
+    raise CalculatorError(f"expected a number, got {head!r}")
+
+
+def make_problem(rng: random.Random, form: str = "tool") -> dict[str, Any]:
+    """One problem row: 3-digit + 3-digit or 3-digit × 2-digit, equally often."""
+    a = rng.randint(100, 999)
+    if rng.random() < 0.5:
+        b, op = rng.randint(100, 999), "+"
+        answer = a + b
+    else:
+        b, op = rng.randint(10, 99), "*"
+        answer = a * b
+    return {
+        "prompt": [{"role": "user", "content": f"{a}{op}{b}"}],
+        "answer": str(answer),
+        "agent_name": "tool_agent" if form == "tool" else "single_turn",
+        "data_source": "arithmetic",
+        "extra": {"expression": f"{a}{op}{b}"},
+    }
+
+
+def generate_problems(n: int, seed: int, form: str = "tool") -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [make_problem(rng, form) for _ in range(n)]
+
+
+_ANSWER = re.compile(r"^\s*(-?\d+)\s*$")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the assistant's last message must be just an integer."""
+    m = _ANSWER.match(text or "")
+    return str(int(m.group(1))) if m else None
+
+
+def arithmetic_reward(sample: dict[str, Any], output: Any) -> float:
+    """1.0 if the final assistant text is exactly the answer, else 0.0.
+
+    `output` is an `AgentLoopOutput`; agent loops put the decoded text of the last
+    assistant turn in `output.extra["final_text"]`.
+    """
+    final = output.extra.get("final_text", "") if hasattr(output, "extra") else str(output)
+    got = extract_answer(final)
+    return 1.0 if got is not None and got == str(sample["answer"]).strip() else 0.0

