@@ -171,7 +171,6 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, expect: type[Bas
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_buffer_size=max_bytes,
         )
     except Exception as e:  # msgpack raises several unrelated types
         raise WireError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None

@@ -1,0 +1,79 @@
+"""Provenance validation (invariant 2) of trajectories and agent loop outputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from areal_like.types import AgentLoopOutput, GenerateResult, SamplingParams, Trajectory, TrajectoryGroup
+
+
+def _kw(**over):
+    kw = dict(
+        episode_id="e",
+        group_id="g",
+        prompt_ids=[1, 2],
+        response_ids=[5, 6, 7, 8],
+        response_mask=[1, 1, 0, 1],
+        response_logprobs=[-0.5, -1.0, 0.0, -0.1],
+        response_versions=[2, 3, -1, 3],
+        reward=1.0,
+    )
+    kw.update(over)
+    return kw
+
+
+def test_valid_trajectory_and_head_version() -> None:
+    t = Trajectory(**_kw())
+    assert t.head_version == 2 and t.num_generated == 3
+
+
+@pytest.mark.parametrize(
+    "over, needle",
+    [
+        (dict(response_mask=[1, 1, 0]), "lengths disagree"),
+        (dict(response_logprobs=[-0.5, math.nan, 0.0, -0.1]), "not finite"),
+        (dict(response_logprobs=[-0.5, -math.inf, 0.0, -0.1]), "not finite"),
+        (dict(response_versions=[2, -2, -1, 3]), "< -1"),
+        (dict(response_versions=[2, -1, -1, 3]), "generated token 1 has version -1"),
+        (dict(response_logprobs=[-0.5, -1.0, -0.3, -0.1]), "tool/observation token 2 must have logprob 0"),
+        (dict(response_versions=[2, 3, 0, 3]), "tool/observation token 2"),
+        (dict(response_mask=[1, 2, 0, 1]), "expected 0 or 1"),
+        (dict(response_logprobs=[0.5, -1.0, 0.0, -0.1]), "> 0"),
+        (dict(reward=math.nan), "not finite"),
+    ],
+)
+def test_provenance_violations_refused(over, needle) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        Trajectory(**_kw(**over))
+
+
+def test_agent_loop_output_checks_too() -> None:
+    with pytest.raises(ValidationError, match="lengths disagree"):
+        AgentLoopOutput(prompt_ids=[1], response_ids=[1, 2], response_mask=[1], response_logprobs=[0.0], response_versions=[0])
+
+
+def test_generate_result_lengths() -> None:
+    with pytest.raises(ValidationError, match="lengths disagree"):
+        GenerateResult(request_id="r", token_ids=[1, 2], logprobs=[-1.0], versions=[0, 0], stop_reason="stop")
+
+
+def test_sampling_params_bounds() -> None:
+    with pytest.raises(ValidationError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValidationError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValidationError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValidationError):
+        SamplingParams(bogus=1)
+    assert SamplingParams(top_k=5).approximate_logprobs and not SamplingParams().approximate_logprobs
+
+
+def test_group_head_version_is_min_over_members() -> None:
+    a = Trajectory(**_kw(episode_id="a"))
+    b = Trajectory(**_kw(episode_id="b", response_versions=[1, 3, -1, 3]))
+    g = TrajectoryGroup(group_id="g", trajectories=[a, b], failed=1)
+    assert g.head_version == 1 and g.size == 3
