@@ -1,0 +1,135 @@
+"""The trainer side's trajectory buffer: use-once, oldest first, η re-checked.
+
+Mission text calls it the replay buffer; nothing is replayed: every sample is
+trained on at most once (invariant 5). Groups arrive whole from the rollout side
+and leave whole (DESIGN.md §9.4):
+
+- at arrival, members that failed or were rejected by the workflow are counted;
+  a group left with fewer than 2 members (or fewer than its full size when that
+  is 1) is dropped as `failed`; a group whose rewards are all equal carries no
+  GRPO signal and is dropped as `filtered` (when filtering is on);
+- at consume time, the buffer re-checks `v_trainer − head_version ≤ η` for each
+  group, oldest first, and drops violators as `over_stale` (counted, never silent).
+
+Every sample ends in exactly one bucket of `OUTCOMES`. `consumed` and `dropped`
+(cumulative, in samples) go out in the trainer's version announcements so the
+rollout gate frees capacity for drops (DESIGN.md §9.3).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from areal_like.types import TrajectoryGroup
+
+__all__ = ["TrajectoryBuffer", "OUTCOMES"]
+
+OUTCOMES = ("trained", "rejected", "filtered", "over_stale", "failed", "skipped", "buffered", "cancelled")
+
+
+class TrajectoryBuffer:
+    def __init__(self, max_staleness: int, filter_uniform_groups: bool = True) -> None:
+        self.eta = max_staleness
+        self.filter_uniform_groups = filter_uniform_groups
+        self._queue: deque[TrajectoryGroup] = deque()
+        self.counts: dict[str, int] = {k: 0 for k in OUTCOMES if k not in ("buffered", "cancelled")}
+        self.dropped_sent = 0
+        """Samples that reached the trainer side and were dropped (frees gate capacity)."""
+        self.consumed = 0
+        """Samples handed to train steps (trained or skipped)."""
+        self.lag_history: list[int] = []
+        """Head version lag of every group handed out (for metrics)."""
+
+    # ---- arrival ---------------------------------------------------------------
+    def put(self, group: TrajectoryGroup) -> str | None:
+        """Accept a group; return the outcome name if it was dropped on arrival."""
+        self.counts["rejected"] += group.rejected
+        self.counts["failed"] += group.failed
+        n = len(group.trajectories)
+        if n == 0:
+            return "failed" if group.failed else "rejected"
+        if n < min(2, group.size):
+            self._drop(n, "failed")
+            return "failed"
+        if self.filter_uniform_groups and n > 1 and len({t.reward for t in group.trajectories}) == 1:
+            self._drop(n, "filtered")
+            return "filtered"
+        self._queue.append(group)
+        return None
+
+    def _drop(self, n: int, outcome: str) -> None:
+        self.counts[outcome] += n
+        self.dropped_sent += n
+
+    # ---- consumption -------------------------------------------------------------
+    def pop_batch(self, trainer_version: int, num_groups: int) -> list[TrajectoryGroup] | None:
+        """The `num_groups` oldest groups within η of `trainer_version`, or None if
+        fewer are available (over-stale groups met on the way are dropped and counted)."""
+        while self._queue and trainer_version - self._queue[0].head_version > self.eta:
+            stale = self._queue.popleft()
+            self._drop(len(stale.trajectories), "over_stale")
+        if len(self._queue) < num_groups:
+            return None
+        out: list[TrajectoryGroup] = []
+        while len(out) < num_groups:
+            g = self._queue.popleft()
+            lag = trainer_version - g.head_version
+            if lag > self.eta:  # behind a fresh head there can still be a stale group
+                self._drop(len(g.trajectories), "over_stale")
+                if len(self._queue) < num_groups - len(out):
+                    self._queue.extendleft(reversed(out))
+                    return None
+                continue
+            out.append(g)
+        for g in out:
+            self.lag_history.append(trainer_version - g.head_version)
+        return out
+
+    def mark_trained(self, groups: list[TrajectoryGroup]) -> None:
+        n = sum(len(g.trajectories) for g in groups)
+        self.counts["trained"] += n
+        self.consumed += n
+
+    def mark_skipped(self, groups: list[TrajectoryGroup]) -> None:
+        """The step was skipped (NaN/inf): the samples were consumed, not trained."""
+        n = sum(len(g.trajectories) for g in groups)
+        self.counts["skipped"] += n
+        self.consumed += n
+
+    # ---- views ---------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Samples waiting."""
+        return sum(len(g.trajectories) for g in self._queue)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._queue)
+
+    def summary(self, started: int, cancelled: int) -> dict[str, int]:
+        """Outcome counts (DESIGN.md §9.5); `started` must equal the sum of the rest."""
+        out = dict(self.counts)
+        out["buffered"] = self.depth
+        out["cancelled"] = cancelled
+        out["started"] = started
+        return out
+
+    @staticmethod
+    def counts_add_up(summary: dict[str, int]) -> bool:
+        return sum(summary[k] for k in OUTCOMES) == summary["started"]
+
+    # ---- recovery --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "dropped_sent": self.dropped_sent,
+            "consumed": self.consumed,
+            "queue": [g.model_dump(mode="json") for g in self._queue],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts = {k: int(state["counts"].get(k, 0)) for k in self.counts}
+        self.dropped_sent = int(state["dropped_sent"])
+        self.consumed = int(state["consumed"])
+        self._queue = deque(TrajectoryGroup.model_validate(g) for g in state["queue"])

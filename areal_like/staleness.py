@@ -1,0 +1,109 @@
+"""The staleness gate: the rollout side's half of the bound η (invariant 1).
+
+A new group of n episodes is admitted only while
+
+    accepted + running + n <= (η + v + 1) · B      and      running + n <= max_concurrent
+
+where `v` is the newest weight version the rollout side has loaded, `B` the samples
+per train step, `running` the episodes started and not finished, and `accepted` the
+samples handed to the trainer side and not later dropped (filtered, over-stale,
+failed). Groups are admitted whole: a group of n occupies n (DESIGN.md §9.3).
+
+Why it bounds staleness: by the time the trainer is at version `v_t` it has trained
+on `v_t · B` samples, oldest first. A sample admitted while the rollout side was at
+version `v` is among the first `(η + v + 1) · B` accepted samples, so it is trained
+at the latest in step `η + v`, i.e. with lag `v_t − v ≤ η`. Drops free their slots
+(the trainer's announcements carry cumulative dropped counts), so the gate never
+stays shut while the trainer waits. The trainer re-checks the bound at consume time
+anyway (`TrajectoryBuffer`), because drops and failures can reorder what it sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["StalenessGate", "GateState"]
+
+
+@dataclass
+class GateState:
+    version: int = 0
+    running: int = 0
+    sent: int = 0
+    """Samples pushed to the trainer side (cumulative)."""
+    dropped: int = 0
+    """Of those, samples the trainer dropped (cumulative, from its announcements)."""
+    consumed: int = 0
+    """Of those, samples the trainer trained on (cumulative, from its announcements)."""
+    rejected_at_gate: int = 0
+    """Admission attempts refused (a counter for dashboards, not samples)."""
+
+
+class StalenessGate:
+    """Pure admission arithmetic; the controller calls it from one event loop."""
+
+    def __init__(self, samples_per_step: int, max_staleness: int, max_concurrent: int) -> None:
+        if samples_per_step < 1 or max_staleness < 0 or max_concurrent < 1:
+            raise ValueError(
+                f"bad gate parameters: B={samples_per_step} η={max_staleness} max_concurrent={max_concurrent}"
+            )
+        self.B = samples_per_step
+        self.eta = max_staleness
+        self.max_concurrent = max_concurrent
+        self.s = GateState()
+
+    @property
+    def accepted(self) -> int:
+        return self.s.sent - self.s.dropped
+
+    @property
+    def capacity(self) -> int:
+        """Total samples that may ever be accepted + running at the loaded version."""
+        return (self.eta + self.s.version + 1) * self.B
+
+    def free_slots(self) -> int:
+        return min(self.capacity - self.accepted - self.s.running, self.max_concurrent - self.s.running)
+
+    def try_admit(self, n: int = 1) -> bool:
+        """Admit a group of n episodes if both bounds allow it; count a refusal otherwise."""
+        if n < 1:
+            raise ValueError(f"a group has at least one episode, got {n}")
+        if self.free_slots() >= n:
+            self.s.running += n
+            return True
+        self.s.rejected_at_gate += 1
+        return False
+
+    def on_group_done(self, n_started: int, n_sent: int) -> None:
+        """A group of `n_started` episodes finished; `n_sent` samples went to the trainer.
+
+        Members that failed or were rejected by the workflow (`n_started - n_sent`)
+        simply release their running slot.
+        """
+        if not 0 <= n_sent <= n_started <= self.s.running:
+            raise ValueError(f"bad group completion: started={n_started} sent={n_sent} running={self.s.running}")
+        self.s.running -= n_started
+        self.s.sent += n_sent
+
+    def on_cancel(self, n: int) -> None:
+        """Episodes stopped before finishing (shutdown); they release their slots."""
+        self.s.running -= min(n, self.s.running)
+
+    def on_trainer_counts(self, consumed: int, dropped: int) -> None:
+        """Apply a trainer announcement's cumulative counts. Repeated or reordered
+        announcements are harmless (max keeps the newest). The version in the same
+        announcement only counts once the engines have loaded it (`set_loaded_version`)."""
+        self.s.consumed = max(self.s.consumed, consumed)
+        self.s.dropped = max(self.s.dropped, dropped)
+
+    def set_loaded_version(self, version: int) -> None:
+        """The engines now serve `version` (capacity follows what is loaded)."""
+        self.s.version = max(self.s.version, version)
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self.s)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore after recovery. Episodes running at the crash did not survive it."""
+        self.s = GateState(**state)
+        self.s.running = 0
