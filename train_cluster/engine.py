@@ -1,0 +1,364 @@
+"""`TrainEngine`: the trainer interface, and the one train-step algorithm every backend shares.
+
+The orchestrator only ever calls the public methods: `compute_logprobs`,
+`train_step`, `named_weights`, `save`, `load` and `version`. A backend (torch
+DDP/FSDP, Megatron-core) supplies how to run its model on a packed micro-batch,
+how to reach its parameters and how to checkpoint; the decoupled-PPO step itself —
+π_prox recompute, mini-batches, gradient accumulation, global normalisation across
+micro-batches and data-parallel ranks, the non-finite skip, the statistics — is
+written once here, so both backends train the same objective.
+
+A train step is exactly one version (DESIGN.md §1): with `train.mini_batches = k`
+it takes k optimizer steps and the version still advances by one. π_prox is the
+weights at the start of the step, for every mini-batch. A mini-batch whose loss or
+gradient norm is not finite is not applied (its gradients are dropped); a step in
+which no mini-batch was applied leaves the weights, the optimizer and the LR
+schedule untouched, does not advance the version and is counted in `skipped`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_like.config import LossConfig, TrainConfig
+from train_cluster.batch import TrainBatch, balanced_partition, pack_sequences, split_mini_batches
+from train_cluster.losses import aggregate, decoupled_ppo_loss, kl_k3, token_entropy, token_logprobs
+
+__all__ = ["TrainEngine", "STAT_KEYS", "lr_factor"]
+
+logger = logging.getLogger(__name__)
+
+STAT_KEYS = (
+    "version", "skipped", "skipped_total", "loss", "pg_loss", "kl", "clip_frac", "behav_weight_mean",
+    "behav_weight_max", "behav_capped", "behav_masked", "behav_prox_gap", "entropy", "grad_norm",
+    "lr", "tokens_per_s", "num_seqs", "num_tokens", "num_loss_tokens", "mini_batches_applied",
+    "step_time_s", "prox_time_s",
+)
+"""Keys of the dict `train_step` returns (all floats)."""
+
+# Indices into the summed statistics vector of one step.
+_S_LOSS, _S_PG, _S_KL, _S_CLIP, _S_W, _S_CAP, _S_MASK, _S_GAP, _S_ENT, _S_TOK, _S_NUM = range(11)
+
+
+def lr_factor(step: int, *, schedule: str, warmup: int, total: int) -> float:
+    """Multiplier of the base LR after `step` completed train steps.
+
+    Linear warmup over `warmup` steps ((s+1)/warmup), then constant, linear decay to 0
+    or cosine decay to 0 at `total`. Stepped once per train step (per version), so the
+    schedule follows versions, not the number of mini-batches.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    import math
+
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TrainEngine(ABC):
+    """A policy being trained with decoupled PPO. Backends subclass the hooks at the bottom.
+
+    `version` is the policy version of the current weights: 0 at start (or what a
+    checkpoint restored), +1 per applied train step. `skipped` counts train steps
+    dropped for a non-finite loss or gradient.
+    """
+
+    train_cfg: TrainConfig
+    version: int
+    skipped: int
+    rank: int
+    world_size: int
+    group: Any
+    device: torch.device
+
+    def __init__(self, train_cfg: TrainConfig) -> None:
+        self.train_cfg = train_cfg
+        self.version = 0
+        self.skipped = 0
+        if train_cfg.loss.naive_ppo_ablation:
+            logger.warning(
+                "!!! ABLATION: loss.naive_ppo_ablation=true — behaviour logprobs are used as pi_old and "
+                "no importance weight is applied. This is NOT decoupled PPO; use only to compare. !!!"
+            )
+
+    # ---- public interface -------------------------------------------------------------------
+
+    @property
+    def loss_cfg(self) -> LossConfig:
+        return self.train_cfg.loss
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token logprobs [N] of `batch` under the current weights, at each token's T.
+
+        Entry t is log π(token t | its sequence's tokens before t); sequence-first
+        tokens get 0. Runs in eval mode without gradients, packed by `token_budget`.
+        Under data parallelism each rank passes its own shard.
+        """
+        return self._logprobs_with(self._forward_logits, batch)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One train step (one version) on this rank's shard of the global batch."""
+        t0 = time.perf_counter()
+        cfg, loss_cfg = self.train_cfg, self.loss_cfg
+        if loss_cfg.naive_ppo_ablation:
+            logger.warning("ABLATION step: naive PPO (pi_old = behaviour policy, no importance weight)")
+        batch = batch.with_(prox_logprobs=self.compute_logprobs(batch))
+        if loss_cfg.kl_coef > 0:
+            batch = batch.with_(ref_logprobs=self._ref_logprobs(batch))
+        prox_time = time.perf_counter() - t0
+
+        sums = torch.zeros(11, dtype=torch.float64)
+        w_max = torch.zeros(1, dtype=torch.float64)
+        grad_norms: list[float] = []
+        applied = 0
+        for mini in split_mini_batches(batch, cfg.mini_batches):
+            norm, mini_sums, mini_wmax = self._mini_batch_step(mini)
+            finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(mini_sums[_S_LOSS]))
+            if finite:
+                self._optimizer_step()
+                applied += 1
+            else:
+                logger.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): mini-batch not applied",
+                               float(mini_sums[_S_LOSS]), float(norm))
+            self._zero_grad()
+            sums += mini_sums
+            w_max = torch.maximum(w_max, mini_wmax)
+            grad_norms.append(float(norm))
+
+        lr = self._current_lr()
+        if applied:
+            self._scheduler_step()
+            self.version += 1
+        else:
+            self.skipped += 1
+            logger.warning("train step skipped (non-finite): version stays %d, skipped=%d", self.version,
+                           self.skipped)
+        elapsed = time.perf_counter() - t0
+        tok = max(sums[_S_TOK].item(), 1.0)
+        n_mini = cfg.mini_batches
+        global_tokens = self._all_reduce(torch.tensor([float(batch.num_tokens), float(batch.num_seqs)],
+                                                      dtype=torch.float64))
+        return {
+            "version": float(self.version),
+            "skipped": float(applied == 0),
+            "skipped_total": float(self.skipped),
+            "loss": sums[_S_LOSS].item() / n_mini,
+            "pg_loss": sums[_S_PG].item() / n_mini,
+            "kl": sums[_S_KL].item() / tok,
+            "clip_frac": sums[_S_CLIP].item() / tok,
+            "behav_weight_mean": sums[_S_W].item() / tok,
+            "behav_weight_max": w_max.item(),
+            "behav_capped": sums[_S_CAP].item(),
+            "behav_masked": sums[_S_MASK].item(),
+            "behav_prox_gap": sums[_S_GAP].item() / tok,
+            "entropy": sums[_S_ENT].item() / tok,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": lr,
+            "tokens_per_s": global_tokens[0].item() / elapsed,
+            "num_seqs": global_tokens[1].item(),
+            "num_tokens": global_tokens[0].item(),
+            "num_loss_tokens": sums[_S_TOK].item(),
+            "mini_batches_applied": float(applied),
+            "step_time_s": elapsed,
+            "prox_time_s": prox_time,
+        }
+
+    @abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights, for weight sync and export (see the backend for tying rules)."""
+
+    @abstractmethod
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Write a resumable checkpoint; `extra` (JSON-able, e.g. data position) is returned by load."""
+
+    @abstractmethod
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint written by `save`; returns its `extra`."""
+
+    # ---- the shared algorithm ------------------------------------------------------------------
+
+    def _mini_batch_step(self, mini: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accumulate gradients over the packed micro-batches of one mini-batch; clip.
+
+        The loss of each micro-batch is divided by the *global* token (or sequence)
+        count of the mini-batch and multiplied by the world size (DDP/FSDP average
+        gradients over ranks), so the summed gradient is that of the whole mini-batch
+        as one batch, however it is split.
+        """
+        loss_cfg = self.loss_cfg
+        counts = torch.tensor([float(mini.num_loss_tokens), float(mini.num_seqs)], dtype=torch.float64)
+        counts = self._all_reduce(counts)
+        denom = counts[0].item() if loss_cfg.agg == "token_mean" else counts[1].item()
+        denom = max(denom, 1.0)
+        sums = torch.zeros(11, dtype=torch.float64)
+        w_max = torch.zeros(1, dtype=torch.float64)
+        plan = self._plan(mini)
+        self._train_mode(True)
+        for i, idx in enumerate(plan):
+            last = i == len(plan) - 1
+            with self._grad_sync(last):
+                if not idx:  # keeps collectives aligned across ranks; contributes nothing
+                    self._dummy_backward()
+                    continue
+                mb = mini.select(idx)
+                logits = self._forward_logits(mb)
+                loss, mb_sums, mb_wmax = self._micro_loss(logits, mb, denom)
+                (loss * self.world_size).backward()
+            sums += mb_sums
+            w_max = torch.maximum(w_max, mb_wmax)
+        norm = self._clip_grad(self.train_cfg.grad_clip)
+        sums = self._all_reduce(sums)
+        w_max = self._all_reduce(w_max, op=dist.ReduceOp.MAX)
+        return norm, sums, w_max
+
+    def _micro_loss(
+        self, logits: torch.Tensor, mb: TrainBatch, denom: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss_cfg = self.loss_cfg
+        dev = logits.device
+        lp = _shifted_logprobs(logits, mb, dev)
+        mask = mb.loss_mask.to(dev)
+        prox = mb.prox_logprobs.to(dev) if mb.prox_logprobs is not None else lp.detach()
+        behav = mb.behav_logprobs.to(dev)
+        terms = decoupled_ppo_loss(
+            lp, prox, behav, mb.advantages.to(dev), mask,
+            eps_clip=loss_cfg.eps_clip, eps_clip_high=loss_cfg.eps_clip_high,
+            behav_weight_cap=loss_cfg.behav_weight_cap, behav_weight_mode=loss_cfg.behav_weight_mode,
+            naive_ppo_ablation=loss_cfg.naive_ppo_ablation,
+        )
+        seq_index = mb.seq_index().to(dev)
+        seq_counts = mb.seq_loss_tokens().to(dev)
+        # Normalise by the response mask (fixed before the step), not the post-masking one,
+        # so tokens dropped for a large behaviour weight contribute 0 rather than re-weighting the rest.
+        pg = aggregate(terms.loss, mask, seq_index, agg=loss_cfg.agg, seq_token_counts=seq_counts,
+                       denominator=denom)
+        loss = pg
+        kl_sum = torch.zeros((), device=dev)
+        if loss_cfg.kl_coef > 0 and mb.ref_logprobs is not None:
+            kl = kl_k3(lp, mb.ref_logprobs.to(dev))
+            kl_term = aggregate(kl, terms.mask, seq_index, agg=loss_cfg.agg, seq_token_counts=seq_counts,
+                                denominator=denom)
+            loss = loss + loss_cfg.kl_coef * kl_term
+            kl_sum = (kl.detach() * mask).sum()
+        with torch.no_grad():
+            ent = token_entropy(logits.detach()[:-1], mb.temperature.to(dev)[1:])
+            ent_sum = (ent * mask[1:]).sum()
+            sums = torch.stack([
+                loss.detach(), pg.detach(), kl_sum, terms.clipped.sum(), (terms.behav_weight * mask).sum(),
+                terms.capped.sum(), terms.masked.sum(), ((prox - behav).abs() * mask).sum(), ent_sum,
+                mask.sum(), torch.tensor(float(mb.num_seqs), device=dev),
+            ]).double().cpu()
+            w_max = (terms.behav_weight * mask).max().double().cpu().reshape(1)
+        return loss, sums, w_max
+
+    def _logprobs_with(self, forward: Any, batch: TrainBatch) -> torch.Tensor:
+        self._train_mode(False)
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        offs = batch.offsets().tolist()
+        for idx in self._plan(batch):
+            if not idx:
+                self._dummy_forward(forward)
+                continue
+            mb = batch.select(idx)
+            lp = _shifted_logprobs(forward(mb), mb, self.device).float().cpu()
+            mb_offs = mb.offsets().tolist()
+            for j, s in enumerate(idx):
+                out[offs[s]:offs[s + 1]] = lp[mb_offs[j]:mb_offs[j + 1]]
+        return out
+
+    def _plan(self, batch: TrainBatch) -> list[list[int]]:
+        """Micro-batches of `batch`, the same count on every rank (FSDP all-gathers per forward)."""
+        lens = batch.seq_lens.tolist()
+        bins = pack_sequences(lens, self.train_cfg.token_budget)
+        if self.world_size > 1:
+            n = int(self._all_reduce(torch.tensor([float(len(bins))], dtype=torch.float64),
+                                     op=dist.ReduceOp.MAX).item())
+            if n > len(bins):
+                bins = balanced_partition(lens, n)
+        return bins
+
+    def _all_reduce(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        buf = t.to(self._collective_device())
+        dist.all_reduce(buf, op=op, group=self.group)
+        return buf.to(t.device)
+
+    def _collective_device(self) -> torch.device:
+        return self.device
+
+    def _dummy_backward(self) -> None:
+        logits = self._forward_logits(_one_token_batch())
+        (logits.sum() * 0.0).backward()
+
+    def _dummy_forward(self, forward: Any) -> None:
+        forward(_one_token_batch())
+
+    # ---- backend hooks ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def _forward_logits(self, mb: TrainBatch) -> torch.Tensor:
+        """Logits [N, V] of a packed micro-batch (no attention across sequences)."""
+
+    def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not support kl_coef > 0")
+
+    @abstractmethod
+    def _train_mode(self, on: bool) -> None: ...
+
+    @abstractmethod
+    def _clip_grad(self, max_norm: float) -> torch.Tensor:
+        """Clip the (already data-parallel reduced) gradient; return the pre-clip total norm."""
+
+    @abstractmethod
+    def _optimizer_step(self) -> None: ...
+
+    @abstractmethod
+    def _zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def _scheduler_step(self) -> None: ...
+
+    @abstractmethod
+    def _current_lr(self) -> float: ...
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Context for one micro-batch backward; DDP skips the all-reduce except on the last."""
+        return contextlib.nullcontext()
+
+
+def _one_token_batch() -> TrainBatch:
+    z = torch.zeros(1)
+    return TrainBatch(
+        input_ids=torch.zeros(1, dtype=torch.int64), loss_mask=z, behav_logprobs=z, advantages=z,
+        temperature=torch.ones(1), versions=torch.full((1,), -1), seq_lens=torch.ones(1, dtype=torch.int64),
+        rewards=z, group_ids=["_dummy"],
+    )
+
+
+def _shifted_logprobs(logits: torch.Tensor, mb: TrainBatch, dev: torch.device) -> torch.Tensor:
+    """Per-token logprobs [N] from packed logits: token t is scored by the logits at t-1.
+
+    Sequence-first positions (predicted, if at all, from the previous sequence) are 0.
+    """
+    ids = mb.input_ids.to(dev)
+    temp = mb.temperature.to(dev)
+    lp = token_logprobs(logits[:-1], ids[1:], temp[1:])
+    lp = torch.cat([torch.zeros(1, dtype=lp.dtype, device=dev), lp])
+    first = torch.zeros(mb.num_tokens, dtype=torch.bool, device=dev)
+    first[mb.offsets()[:-1].to(dev)] = True
+    return torch.where(first, torch.zeros_like(lp), lp)

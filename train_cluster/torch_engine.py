@@ -1,0 +1,310 @@
+"""Torch backend: an HF causal LM trained with AdamW, single process, DDP or FSDP2.
+
+One `TorchTrainEngine` lives in each train worker process. With
+`train.backend.world_size == 1` it is a plain model in the caller's process. With
+more workers every process builds its engine after joining a torch.distributed group
+(`init_train_group`, done for you by `TrainWorkerGroup`): gloo on CPU, NCCL on GPU,
+on a TCPStore of its own, so it never collides with the weight-sync group.
+
+`named_weights()` yields the HF `state_dict()` names and tensors minus duplicates:
+with tied embeddings HF's state_dict holds the same tensor as both
+`model.embed_tokens.weight` and `lm_head.weight`; we yield only the first. Load
+them with `model.load_state_dict(dict(engine.named_weights()), strict=False)` —
+the only missing keys are the tied ones, which follow their source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from areal_like.config import TorchBackendConfig, TrainConfig
+from train_cluster.batch import TrainBatch
+from train_cluster.engine import TrainEngine, lr_factor
+
+__all__ = ["TorchTrainEngine", "init_train_group", "free_port", "check_device"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_COMPLETE = "COMPLETE"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port (for a fresh TCPStore)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_device(device: str) -> torch.device:
+    """Fail at start-up, with the fix in the message, when the device cannot run here."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "train.backend.device=cuda but no CUDA GPU is visible to this process "
+            "(torch.cuda.is_available() is False); set train.backend.device=cpu or give the "
+            "train pool GPUs (cluster.train_pool.num_gpus)"
+        )
+    return torch.device(device)
+
+
+def init_train_group(rank: int, world_size: int, store_addr: str, device: str = "cpu",
+                     timeout_s: float = 300.0) -> None:
+    """Join the trainers' torch.distributed default group on the TCPStore at `store_addr`.
+
+    Rank 0 hosts the store. gloo on CPU, NCCL on GPU: the same code either way.
+    """
+    host, port = store_addr.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+class TorchTrainEngine(TrainEngine):
+    """Decoupled-PPO trainer for an HF causal LM folder (see `TrainEngine` for the algorithm)."""
+
+    def __init__(self, model_path: str | Path, train_cfg: TrainConfig, *, dtype: str = "float32",
+                 seed: int = 0) -> None:
+        backend = train_cfg.backend
+        if not isinstance(backend, TorchBackendConfig):
+            raise ValueError(f"TorchTrainEngine needs train.backend.type=torch, got {backend.type!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"train dtype {dtype!r} is not supported: use float32 or bfloat16 "
+                             "(float16 would need loss scaling)")
+        super().__init__(train_cfg)
+        self.backend = backend
+        self.device = check_device(backend.device)
+        if backend.device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.world_size = backend.world_size
+        self.group = None
+        if self.world_size > 1:
+            if not dist.is_initialized() or dist.get_world_size() != self.world_size:
+                raise RuntimeError(
+                    f"train.backend.world_size={self.world_size} needs a torch.distributed group of that size "
+                    "in every worker: use TrainWorkerGroup, or call init_train_group() in each process first"
+                )
+            self.rank = dist.get_rank()
+        else:
+            self.rank = 0
+        torch.set_num_threads(backend.threads)
+        torch.manual_seed(seed)
+        self.seed = seed
+
+        from transformers import AutoModelForCausalLM
+
+        module = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[dtype]).to(self.device)
+        module.config.use_cache = False
+        self._module = module
+        self._model: Any = module
+        self._fsdp = self.world_size > 1 and backend.strategy == "fsdp"
+        if self.world_size > 1 and backend.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # broadcast_buffers=False: the only buffers (rotary inv_freq) are constants, and a
+            # broadcast on every forward would add a collective to no-grad forwards.
+            self._model = DDP(module, broadcast_buffers=False,
+                              device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        elif self._fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            for layer in module.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
+                                           weight_decay=train_cfg.weight_decay)
+        sched, warm, total = train_cfg.lr_schedule, train_cfg.warmup_steps, train_cfg.total_steps
+
+        def factor(step: int) -> float:
+            return lr_factor(step, schedule=sched, warmup=warm, total=total)
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self._ref: Any = None
+        if train_cfg.loss.kl_coef > 0:
+            self._ref = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[dtype]).to(self.device)
+            self._ref.eval().requires_grad_(False)
+        logger.info("TorchTrainEngine rank %d/%d on %s (%s, %s, %d threads)", self.rank, self.world_size,
+                    self.device, backend.strategy if self.world_size > 1 else "single", dtype, backend.threads)
+
+    # ---- weights and checkpoints --------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names and tensors, tied duplicates dropped (module docstring).
+
+        Tensors alias the live weights (no copy) except under FSDP, where each is
+        gathered in full — a collective, so every rank must iterate in step.
+        """
+        params = dict(self._module.named_parameters(remove_duplicate=False))
+        seen: set[int] = set()
+        for name, t in self._module.state_dict().items():
+            p = params.get(name)
+            if p is not None:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                t = p
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            yield name, t.detach()
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Model (safetensors + config.json: the folder is also an HF model), optimizer, schedule,
+        version and counters, per-rank RNG states and `extra`; a COMPLETE marker is written last."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        out = Path(path)
+        try:
+            extra_json = json.dumps(extra or {})
+        except TypeError as e:
+            raise TypeError(f"checkpoint extra must be JSON-serialisable: {e}") from None
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / _COMPLETE).unlink(missing_ok=True)
+        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in self.named_weights()}
+        optim = get_optimizer_state_dict(self._module, self.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+            self._module.config.save_pretrained(out)
+            torch.save(optim, out / "optimizer.pt")
+            state = {"version": self.version, "skipped": self.skipped, "world_size": self.world_size,
+                     "scheduler": self.scheduler.state_dict(), "extra": json.loads(extra_json)}
+            (out / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        self._barrier()
+        torch.save(_rng_state(), out / f"rng_rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            (out / _COMPLETE).write_text("ok\n")
+        logger.info("saved checkpoint v%d to %s", self.version, out)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        src = Path(path)
+        if not (src / _COMPLETE).is_file():
+            raise FileNotFoundError(f"{src} is not a complete checkpoint (no {_COMPLETE} marker)")
+        state = json.loads((src / "trainer_state.json").read_text())
+        weights = load_file(str(src / "model.safetensors"), device="cpu")
+        _check_weight_names(self._module, weights)
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self._module, weights, options=full)
+        optim = torch.load(src / "optimizer.pt", weights_only=True, map_location="cpu")
+        set_optimizer_state_dict(self._module, self.optimizer, optim, options=full)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        self.skipped = int(state["skipped"])
+        rng_file = src / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        else:
+            logger.warning("checkpoint %s has no RNG state for rank %d (saved with world_size=%s)",
+                           src, self.rank, state.get("world_size"))
+        logger.info("loaded checkpoint v%d from %s", self.version, src)
+        return dict(state.get("extra", {}))
+
+    # ---- hooks ------------------------------------------------------------------------------------
+
+    def _forward_logits(self, mb: TrainBatch) -> torch.Tensor:
+        return _hf_packed_logits(self._model, mb, self.device)
+
+    def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        with torch.no_grad():
+            return self._logprobs_with(lambda mb: _hf_packed_logits(self._ref, mb, self.device), batch)
+
+    def _train_mode(self, on: bool) -> None:
+        self._module.train(on)
+
+    def _clip_grad(self, max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(self._module.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm.detach().float().cpu()
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _scheduler_step(self) -> None:
+        self.scheduler.step()
+
+    def _current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        if not last and hasattr(self._model, "no_sync"):
+            return self._model.no_sync()
+        return contextlib.nullcontext()
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def _hf_packed_logits(model: Any, mb: TrainBatch, device: torch.device) -> torch.Tensor:
+    """One row of packed sequences. Position ids that restart at 0 make transformers build a
+    block-diagonal causal mask (no attention mask given, no cache)."""
+    ids = mb.input_ids.to(device).unsqueeze(0)
+    pos = mb.position_ids().to(device).unsqueeze(0)
+    return model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+
+
+def _check_weight_names(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    expected = set(module.state_dict())
+    unknown = set(weights) - expected
+    tied = {n for n, _ in module.named_parameters(remove_duplicate=False)} - {
+        n for n, _ in module.named_parameters()}
+    missing = expected - set(weights) - tied
+    if unknown or missing:
+        raise ValueError(f"checkpoint weights do not match the model: unknown {sorted(unknown)[:5]}, "
+                         f"missing {sorted(missing)[:5]}")
+
+
+def _rng_state() -> dict[str, Any]:
+    """RNG states as tensors and plain containers (loadable with weights_only=True)."""
+    py = random.getstate()
+    npst = np.random.get_state()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], torch.from_numpy(np.asarray(npst[1], dtype=np.int64)), int(npst[2]), int(npst[3]),
+                  float(npst[4])],
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    py = st["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = st["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
