@@ -215,8 +215,13 @@ class TrajectoryGroup(_Strict):
 
 
 class RolloutStats(_Strict):
-    """Rollout-side numbers sent to the trainer over the data channel (DESIGN.md §9.6)."""
+    """Rollout-side numbers sent to the trainer over the data channel (DESIGN.md §9.6).
 
+    `kind`: `stats` (periodic), `eval` (a held-out evaluation at `loaded_version`,
+    accuracy in `metrics`), `final` (the rollout side stopped; `cancelled` is final).
+    """
+
+    kind: Literal["stats", "eval", "final"] = "stats"
     time: float
     loaded_version: int
     started: int
@@ -236,6 +241,8 @@ class VersionAnnouncement(_Strict):
     consumed: int = Field(0, ge=0)
     dropped: int = Field(0, ge=0)
     weights: WeightUpdateMeta | None = None
+    stop: bool = False
+    """The run is over: the rollout side stops admitting, cancels what runs, reports final counts."""
 
 
 class TensorMeta(_Strict):
