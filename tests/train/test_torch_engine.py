@@ -1,0 +1,122 @@
+"""Torch engine: versions, non-finite skips, checkpoints, schedules, start-up errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from areal_like.config import LossConfig, MegatronBackendConfig, TorchBackendConfig, TrainConfig
+from train_cluster.batch import build_batch
+from train_cluster.engine import STAT_KEYS, lr_factor
+from train_cluster.torch_engine import TorchTrainEngine
+
+
+def _weights(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine.named_weights()}
+
+
+def test_train_step_advances_version_and_reports_stats(tiny_model_dir, trajs) -> None:
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig(token_budget=64, mini_batches=2))
+    batch = build_batch(trajs(), LossConfig())
+    before = _weights(engine)
+    stats = engine.train_step(batch)
+    assert set(stats) == set(STAT_KEYS)
+    assert engine.version == 1 and stats["version"] == 1.0 and stats["mini_batches_applied"] == 2
+    assert stats["num_loss_tokens"] == batch.num_loss_tokens
+    assert stats["behav_prox_gap"] > 0 and stats["entropy"] > 0 and stats["tokens_per_s"] > 0
+    assert engine.optimizer.state[next(iter(engine._module.parameters()))]["step"].item() == 2
+    after = _weights(engine)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_named_weights_load_into_hf_model(tiny_model_dir, trajs) -> None:
+    from transformers import AutoModelForCausalLM
+
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig())
+    engine.train_step(build_batch(trajs(), LossConfig()))
+    named = dict(engine.named_weights())
+    assert "lm_head.weight" not in named and "model.embed_tokens.weight" in named  # tied: yielded once
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    result = hf.load_state_dict(named, strict=False)
+    assert result.unexpected_keys == [] and set(result.missing_keys) <= {"lm_head.weight"}
+    assert torch.equal(hf.lm_head.weight, named["model.embed_tokens.weight"])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, engine._module(ids).logits)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tiny_model_dir, trajs) -> None:
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig())
+    batch = build_batch(trajs(), LossConfig())
+    bad = batch.with_(advantages=batch.advantages.clone().fill_(float("nan")))
+    before = _weights(engine)
+    stats = engine.train_step(bad)
+    assert stats["skipped"] == 1.0 and stats["skipped_total"] == 1.0 and engine.skipped == 1
+    assert engine.version == 0 and stats["version"] == 0.0
+    after = _weights(engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert engine.optimizer.state == {} or all(
+        s["step"].item() == 0 for s in engine.optimizer.state.values())
+    assert engine.train_step(batch)["skipped"] == 0.0 and engine.version == 1
+
+
+def test_checkpoint_resume_is_bitwise(tiny_model_dir, trajs, tmp_path) -> None:
+    cfg = TrainConfig(lr_schedule="cosine", warmup_steps=2, total_steps=10)
+    batch = build_batch(trajs(), cfg.loss)
+    a = TorchTrainEngine(tiny_model_dir, cfg)
+    a.train_step(batch)
+    a.train_step(batch)
+    a.save(tmp_path / "ckpt", extra={"data_pos": 17, "note": "x"})
+    ref_stats = a.train_step(batch)
+    ref = _weights(a)
+
+    b = TorchTrainEngine(tiny_model_dir, cfg, seed=123)
+    extra = b.load(tmp_path / "ckpt")
+    assert extra == {"data_pos": 17, "note": "x"} and b.version == 2
+    stats = b.train_step(batch)
+    assert b.version == 3 and stats["lr"] == ref_stats["lr"] and stats["loss"] == ref_stats["loss"]
+    got = _weights(b)
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
+    # the folder is also a loadable HF model
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt") is not None
+
+
+def test_incomplete_checkpoint_and_bad_extra_are_refused(tiny_model_dir, tmp_path) -> None:
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig())
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        engine.load(tmp_path)
+    with pytest.raises(TypeError, match="JSON"):
+        engine.save(tmp_path / "c", extra={"x": object()})
+
+
+def test_lr_schedules() -> None:
+    assert [lr_factor(s, schedule="constant", warmup=2, total=10) for s in range(3)] == [0.5, 1.0, 1.0]
+    assert lr_factor(6, schedule="linear", warmup=2, total=10) == pytest.approx(0.5)
+    assert lr_factor(6, schedule="cosine", warmup=2, total=10) == pytest.approx(0.5)
+    assert lr_factor(10, schedule="cosine", warmup=2, total=10) == pytest.approx(0.0)
+
+
+def test_kl_penalty_and_naive_ablation_warning(tiny_model_dir, trajs, caplog) -> None:
+    batch = build_batch(trajs(), LossConfig())
+    kl_engine = TorchTrainEngine(tiny_model_dir, TrainConfig(lr=1e-2, loss=LossConfig(kl_coef=0.1)))
+    assert kl_engine.train_step(batch)["kl"] == pytest.approx(0.0, abs=1e-9)  # π_θ == π_ref at step 1
+    assert kl_engine.train_step(batch)["kl"] > 0
+    with caplog.at_level(logging.WARNING):
+        TorchTrainEngine(tiny_model_dir, TrainConfig(loss=LossConfig(naive_ppo_ablation=True)))
+    assert "ABLATION" in caplog.text
+
+
+def test_startup_errors(tiny_model_dir) -> None:
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            TorchTrainEngine(tiny_model_dir, TrainConfig(backend=TorchBackendConfig(device="cuda")))
+    with pytest.raises(RuntimeError, match="torch.distributed group"):
+        TorchTrainEngine(tiny_model_dir, TrainConfig(backend=TorchBackendConfig(world_size=2)))
+    with pytest.raises(ValueError, match="float16"):
+        TorchTrainEngine(tiny_model_dir, TrainConfig(), dtype="float16")
+    with pytest.raises(ValueError, match="backend.type=torch"):
+        TorchTrainEngine(tiny_model_dir, TrainConfig(backend=MegatronBackendConfig(device="cpu")))
