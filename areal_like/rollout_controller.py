@@ -1,0 +1,261 @@
+"""The rollout side's schedule: prompts → gate → agent-loop groups → trainer.
+
+    while not stopped:
+        admit whole groups while the staleness gate allows      (invariant 1)
+        each group: n episodes of one prompt, scored, sent as one TrajectoryGroup
+        wait until something changes (a group ends, an announcement arrives)
+    control task: trainer announcements → gate counts; new weights → engines
+                  (the engines interrupt, recompute and resume by themselves)
+
+The controller does not know engines, sockets or Ray: it is handed
+`run_episode`, `score`, `send` and `apply_weights` and drives them (prime-rl's
+orchestrator style), so tests run it with fakes and the launcher with the real
+thing. Every episode started ends in exactly one outcome: sent, rejected (the agent
+loop returned None), failed (it raised, or its reward did), or cancelled at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from areal_like.dataset import PromptSource
+from areal_like.staleness import StalenessGate
+from areal_like.types import (
+    AgentLoopOutput,
+    RolloutStats,
+    SamplingParams,
+    Trajectory,
+    TrajectoryGroup,
+    VersionAnnouncement,
+    WeightUpdateMeta,
+)
+
+__all__ = ["RolloutController"]
+
+log = logging.getLogger(__name__)
+
+RunEpisode = Callable[[dict[str, Any], SamplingParams, str], Awaitable[AgentLoopOutput | None]]
+Score = Callable[[dict[str, Any], AgentLoopOutput], Awaitable[float]]
+
+
+class RolloutController:
+    def __init__(
+        self,
+        *,
+        gate: StalenessGate,
+        source: PromptSource,
+        group_size: int,
+        sampling: SamplingParams,
+        run_episode: RunEpisode,
+        score: Score,
+        send: Callable[[BaseModel], Awaitable[None]],
+        apply_weights: Callable[[WeightUpdateMeta], Awaitable[int]],
+        metrics: Callable[[], dict[str, float]] = dict,
+        eval_rows: list[dict[str, Any]] | None = None,
+        eval_every: int = 0,
+        eval_sampling: SamplingParams | None = None,
+        loaded_version: int = 0,
+        seed: int = 0,
+        stats_every_s: float = 2.0,
+    ) -> None:
+        self.gate = gate
+        self.source = source
+        self.n = group_size
+        self.sampling = sampling
+        self.run_episode = run_episode
+        self.score = score
+        self.send = send
+        self.apply_weights = apply_weights
+        self.metrics = metrics
+        self.eval_rows = eval_rows or []
+        self.eval_every = eval_every
+        self.eval_sampling = eval_sampling or sampling
+        self.loaded_version = loaded_version
+        self.seed = seed
+        self.stats_every_s = stats_every_s
+        self.announcements: asyncio.Queue[VersionAnnouncement] = asyncio.Queue()
+        self.started = 0
+        self.cancelled = 0
+        self.outcomes = {"sent": 0, "rejected": 0, "failed": 0}
+        self._groups: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._group_seq = 0
+        self._sending: set[str] = set()
+        self._eval_tasks: list[asyncio.Task[None]] = []
+        gate.set_loaded_version(loaded_version)
+
+    # ---- the schedule ---------------------------------------------------------------
+    async def run(self) -> None:
+        control = asyncio.create_task(self._control_loop(), name="rollout-control")
+        stats = asyncio.create_task(self._stats_loop(), name="rollout-stats")
+        if self.eval_every and self.eval_rows:
+            self._eval_tasks.append(asyncio.create_task(self._evaluate(self.loaded_version)))
+        try:
+            while not self._stop.is_set():
+                while not self._stop.is_set() and self.gate.try_admit(self.n):
+                    self._spawn_group(self.source.next())
+                self._wake.clear()
+                if control.done():
+                    control.result()  # surface a crashed control task
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+        finally:
+            await self._shutdown(control, stats)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _spawn_group(self, row: dict[str, Any]) -> None:
+        gid = f"s{self.seed}-g{self._group_seq}"
+        self._group_seq += 1
+        self.started += self.n
+        task = asyncio.create_task(self._run_group(row, gid), name=gid)
+        self._groups.add(task)
+        task.add_done_callback(self._groups.discard)
+
+    async def _run_group(self, row: dict[str, Any], gid: str) -> None:
+        results = await asyncio.gather(*(self._episode(row, gid, i) for i in range(self.n)))
+        self._sending.add(gid)  # from here on the group is delivered, not cancelled
+        trajs = [r for r in results if isinstance(r, Trajectory)]
+        reasons = [r for r in results if isinstance(r, str) and r != "rejected"]
+        rejected = sum(1 for r in results if r == "rejected")
+        group = TrajectoryGroup(
+            group_id=gid, trajectories=trajs, failed=len(reasons), rejected=rejected, failure_reasons=reasons[:4]
+        )
+        await self.send(group)
+        self.outcomes["sent"] += len(trajs)
+        self.outcomes["rejected"] += rejected
+        self.outcomes["failed"] += len(reasons)
+        self.gate.on_group_done(self.n, len(trajs))
+        self._sending.discard(gid)
+        self._wake.set()
+
+    async def _episode(self, row: dict[str, Any], gid: str, i: int) -> Trajectory | str:
+        eid = f"{gid}-e{i}"
+        sampling = self.sampling.model_copy(update={"seed": _episode_seed(self.seed, gid, i)})
+        try:
+            out = await self.run_episode(row, sampling, eid)
+            if out is None:
+                return "rejected"
+            reward = await self.score(row, out)
+            return Trajectory(
+                episode_id=eid,
+                group_id=gid,
+                prompt_ids=out.prompt_ids,
+                response_ids=out.response_ids,
+                response_mask=out.response_mask,
+                response_logprobs=out.response_logprobs,
+                response_versions=out.response_versions,
+                reward=reward,
+                temperature=sampling.temperature,
+                truncated=out.truncated,
+                num_turns=out.num_turns,
+                metrics=out.metrics,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # one bad episode must not stop the run: count it, say why
+            reason = f"{type(e).__name__}: {e}"
+            log.warning("episode %s failed: %s", eid, reason)
+            return reason[:300]
+
+    # ---- control: announcements and weights ------------------------------------------------
+    async def _control_loop(self) -> None:
+        while True:
+            ann = await self.announcements.get()
+            self.gate.on_trainer_counts(ann.consumed, ann.dropped)
+            meta = ann.weights
+            if meta is not None and meta.version > self.loaded_version:
+                try:
+                    version = await self.apply_weights(meta)
+                except Exception as e:  # keep serving the old version; the next one retries
+                    log.error("weight update to v%d failed, still serving v%d: %s", meta.version, self.loaded_version, e)
+                else:
+                    self.loaded_version = version
+                    self.gate.set_loaded_version(version)
+                    if self.eval_every and self.eval_rows and version % self.eval_every == 0:
+                        self._eval_tasks.append(asyncio.create_task(self._evaluate(version)))
+            if ann.stop:
+                self.stop()
+            self._wake.set()
+
+    # ---- reporting ------------------------------------------------------------------------
+    def _stats(self, kind: str = "stats") -> RolloutStats:
+        running = self.gate.s.running
+        m = {f"gate_{k}": float(v) for k, v in self.gate.state_dict().items()}
+        m.update({f"outcome_{k}": float(v) for k, v in self.outcomes.items()})
+        m["gate_capacity"] = float(self.gate.capacity)
+        m.update(self.metrics())
+        return RolloutStats(
+            kind=kind,
+            time=time.time(),
+            loaded_version=self.loaded_version,
+            started=self.started,
+            running=running,
+            cancelled=self.cancelled,
+            metrics=m,
+        )
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_every_s)
+            await self.send(self._stats())
+
+    async def _evaluate(self, version: int) -> None:
+        """Sampled accuracy on held-out rows with the weights of `version` (not trained on)."""
+        async def one(k: int, row: dict[str, Any]) -> float:
+            sp = self.eval_sampling.model_copy(update={"seed": _episode_seed(self.seed + 7, f"eval{version}", k)})
+            try:
+                out = await self.run_episode(row, sp, f"eval-v{version}-{k}")
+                return 0.0 if out is None else float(await self.score(row, out))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                return 0.0
+
+        t0 = time.time()
+        scores = await asyncio.gather(*(one(k, r) for k, r in enumerate(self.eval_rows)))
+        acc = sum(1 for s in scores if s >= 1.0) / max(len(scores), 1)
+        stats = RolloutStats(
+            kind="eval",
+            time=time.time(),
+            loaded_version=version,
+            started=self.started,
+            running=self.gate.s.running,
+            metrics={"accuracy": acc, "reward_mean": sum(scores) / max(len(scores), 1), "seconds": time.time() - t0,
+                     "num_samples": float(len(scores))},
+        )
+        await self.send(stats)
+
+    async def _shutdown(self, control: asyncio.Task[None], stats: asyncio.Task[None]) -> None:
+        for t in (control, stats, *self._eval_tasks):
+            t.cancel()
+        running = list(self._groups)
+        for t in running:
+            if t.get_name() not in self._sending:
+                t.cancel()
+        await asyncio.gather(*running, control, stats, *self._eval_tasks, return_exceptions=True)
+        self.cancelled = self.gate.s.running
+        self.gate.on_cancel(self.cancelled)
+        await self.send(self._stats("final"))
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict(), "group_seq": self._group_seq, "started": self.started}
+
+
+def _episode_seed(seed: int, gid: str, i: int) -> int:
+    """A stable per-episode seed (sampling randomness is a function of it and position)."""
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(f"{gid}/{i}".encode())) % (2**31 - 1)

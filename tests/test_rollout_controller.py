@@ -1,0 +1,150 @@
+"""The rollout schedule with fake episodes and a fake trainer: the real gate, buffer
+and controller (invariants 1 and 5, DESIGN.md §9.3-9.5)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from areal_like.buffer import TrajectoryBuffer
+from areal_like.dataset import PromptSource
+from areal_like.rollout_controller import RolloutController
+from areal_like.staleness import StalenessGate
+from areal_like.types import (
+    AgentLoopOutput,
+    RolloutStats,
+    SamplingParams,
+    TrajectoryGroup,
+    VersionAnnouncement,
+    WeightUpdateMeta,
+)
+
+
+def _rows(n: int = 50) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": str(i)}], "answer": str(i)} for i in range(n)]
+
+
+class FakeRollout:
+    """Episodes take random time and carry the version loaded when each token was made."""
+
+    def __init__(self, seed: int, fail_rate: float = 0.0, reject_rate: float = 0.0) -> None:
+        self.rng = random.Random(seed)
+        self.version = 0
+        self.fail_rate = fail_rate
+        self.reject_rate = reject_rate
+        self.fail_next_update = False
+
+    async def run_episode(self, row, sampling: SamplingParams, eid: str):
+        assert sampling.seed is not None
+        versions = []
+        for _ in range(3):
+            await asyncio.sleep(self.rng.expovariate(200.0))
+            versions.append(self.version)
+        r = self.rng.random()
+        if r < self.fail_rate:
+            raise RuntimeError("engine died")
+        if r < self.fail_rate + self.reject_rate:
+            return None
+        return AgentLoopOutput(
+            prompt_ids=[1],
+            response_ids=[5, 6, 7],
+            response_mask=[1, 1, 1],
+            response_logprobs=[-0.5] * 3,
+            response_versions=versions,
+            extra={"final_text": row["answer"] if self.rng.random() < 0.5 else "x"},
+        )
+
+    async def score(self, row, out) -> float:
+        return 1.0 if out.extra["final_text"] == row["answer"] else 0.0
+
+    async def apply_weights(self, meta: WeightUpdateMeta) -> int:
+        await asyncio.sleep(0.002)
+        if self.fail_next_update:
+            self.fail_next_update = False
+            raise TimeoutError("receiver timed out")
+        self.version = meta.version
+        return meta.version
+
+
+def _meta(v: int) -> WeightUpdateMeta:
+    return WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="x")
+
+
+async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, reject_rate: float = 0.05, fail_update_at: int = -1):
+    n, gps = 4, 2
+    fake = FakeRollout(seed, fail_rate, reject_rate)
+    gate = StalenessGate(n * gps, eta, max_concurrent=32)
+    buf = TrajectoryBuffer(eta)
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def send(msg):
+        await inbox.put(msg)
+
+    ctl = RolloutController(
+        gate=gate,
+        source=PromptSource(_rows(), seed=seed),
+        group_size=n,
+        sampling=SamplingParams(temperature=1.0, max_tokens=8),
+        run_episode=fake.run_episode,
+        score=fake.score,
+        send=send,
+        apply_weights=fake.apply_weights,
+        eval_rows=_rows(6),
+        eval_every=4,
+        seed=seed,
+        stats_every_s=0.05,
+    )
+    task = asyncio.create_task(ctl.run())
+    v, final, evals, lags = 0, None, [], []
+    while True:
+        msg = await asyncio.wait_for(inbox.get(), 10)
+        if isinstance(msg, TrajectoryGroup):
+            buf.put(msg)
+        elif isinstance(msg, RolloutStats):
+            if msg.kind == "eval":
+                evals.append(msg)
+            if msg.kind == "final":
+                final = msg
+                break
+        if v < steps:
+            batch = buf.pop_batch(v, gps)
+            if batch is not None:
+                lags += [v - g.head_version for g in batch]
+                buf.mark_trained(batch)
+                v += 1
+                if v == fail_update_at:
+                    fake.fail_next_update = True
+            ctl.announcements.put_nowait(
+                VersionAnnouncement(version=v, consumed=buf.consumed, dropped=buf.dropped_sent, weights=_meta(v), stop=v >= steps)
+            )
+    await task
+    return ctl, buf, final, evals, lags
+
+
+def test_controller_respects_eta_and_counts_add_up() -> None:
+    for eta in (0, 1, 3):
+        ctl, buf, final, evals, lags = asyncio.run(_run(eta, seed=eta))
+        assert max(lags) <= eta
+        summary = buf.summary(started=final.started, cancelled=final.cancelled)
+        assert TrajectoryBuffer.counts_add_up(summary), summary
+        assert summary["trained"] >= 12 * 8 - 12 * 2  # failed members may shrink groups
+        assert summary["failed"] > 0 and summary["rejected"] > 0
+        assert ctl.gate.s.running == 0
+
+
+def test_eta_zero_never_has_lag() -> None:
+    _, buf, final, _, lags = asyncio.run(_run(0, seed=5, fail_rate=0.0, reject_rate=0.0))
+    assert set(lags) == {0} and buf.counts["over_stale"] == 0
+
+
+def test_failed_weight_update_keeps_old_version_and_next_one_goes_through() -> None:
+    ctl, buf, final, _, lags = asyncio.run(_run(1, seed=3, fail_update_at=2))
+    assert ctl.loaded_version >= 3
+    assert TrajectoryBuffer.counts_add_up(buf.summary(final.started, final.cancelled))
+
+
+def test_evaluations_reported_per_version() -> None:
+    _, _, _, evals, _ = asyncio.run(_run(2, seed=1))
+    versions = [e.loaded_version for e in evals]
+    assert 0 in versions and 4 in versions
+    assert all(0.0 <= e.metrics["accuracy"] <= 1.0 and e.metrics["num_samples"] == 6 for e in evals)
