@@ -93,6 +93,7 @@ class RolloutController:
 
     # ---- the schedule ---------------------------------------------------------------
     async def run(self) -> None:
+        await self._first_announcement()
         control = asyncio.create_task(self._control_loop(), name="rollout-control")
         stats = asyncio.create_task(self._stats_loop(), name="rollout-stats")
         if self.eval_every and self.eval_rows:
@@ -170,24 +171,38 @@ class RolloutController:
             return reason[:300]
 
     # ---- control: announcements and weights ------------------------------------------------
+    async def _first_announcement(self) -> None:
+        """Admit nothing before the trainer has spoken: it may be resuming at a later
+        version (whose weights must be loaded first) and a later data position."""
+        ann = await self.announcements.get()
+        if ann.data_position is not None:
+            self.source.load_state_dict(ann.data_position)
+            self._group_seq = int(ann.data_position.get("group_seq", self._group_seq))
+        await self._apply_announcement(ann)
+        while self.loaded_version < ann.version and ann.weights is not None and not self._stop.is_set():
+            ann = await self.announcements.get()
+            await self._apply_announcement(ann)
+
     async def _control_loop(self) -> None:
         while True:
-            ann = await self.announcements.get()
-            self.gate.on_trainer_counts(ann.consumed, ann.dropped)
-            meta = ann.weights
-            if meta is not None and meta.version > self.loaded_version:
-                try:
-                    version = await self.apply_weights(meta)
-                except Exception as e:  # keep serving the old version; the next one retries
-                    log.error("weight update to v%d failed, still serving v%d: %s", meta.version, self.loaded_version, e)
-                else:
-                    self.loaded_version = version
-                    self.gate.set_loaded_version(version)
-                    if self.eval_every and self.eval_rows and version % self.eval_every == 0:
-                        self._eval_tasks.append(asyncio.create_task(self._evaluate(version)))
-            if ann.stop:
-                self.stop()
-            self._wake.set()
+            await self._apply_announcement(await self.announcements.get())
+
+    async def _apply_announcement(self, ann: VersionAnnouncement) -> None:
+        self.gate.on_trainer_counts(ann.consumed, ann.dropped)
+        meta = ann.weights
+        if meta is not None and meta.version > self.loaded_version:
+            try:
+                version = await self.apply_weights(meta)
+            except Exception as e:  # keep serving the old version; the next one retries
+                log.error("weight update to v%d failed, still serving v%d: %s", meta.version, self.loaded_version, e)
+            else:
+                self.loaded_version = version
+                self.gate.set_loaded_version(version)
+                if self.eval_every and self.eval_rows and version % self.eval_every == 0:
+                    self._eval_tasks.append(asyncio.create_task(self._evaluate(version)))
+        if ann.stop:
+            self.stop()
+        self._wake.set()
 
     # ---- reporting ------------------------------------------------------------------------
     def _stats(self, kind: str = "stats") -> RolloutStats:
@@ -195,6 +210,7 @@ class RolloutController:
         m = {f"gate_{k}": float(v) for k, v in self.gate.state_dict().items()}
         m.update({f"outcome_{k}": float(v) for k, v in self.outcomes.items()})
         m["gate_capacity"] = float(self.gate.capacity)
+        m.update({f"data_{k}": float(v) for k, v in self.data_position().items()})
         m.update(self.metrics())
         return RolloutStats(
             kind=kind,
@@ -250,8 +266,8 @@ class RolloutController:
         await self.send(self._stats("final"))
 
     # ---- recovery ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict(), "group_seq": self._group_seq, "started": self.started}
+    def data_position(self) -> dict[str, int]:
+        return {**self.source.state_dict(), "group_seq": self._group_seq}
 
 
 def _episode_seed(seed: int, gid: str, i: int) -> int:

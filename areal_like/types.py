@@ -241,6 +241,9 @@ class VersionAnnouncement(_Strict):
     consumed: int = Field(0, ge=0)
     dropped: int = Field(0, ge=0)
     weights: WeightUpdateMeta | None = None
+    data_position: dict[str, int] | None = None
+    """Where the rollout side's prompt stream resumes (set after `--resume`); applied once,
+    before the first episode is admitted."""
     stop: bool = False
     """The run is over: the rollout side stops admitting, cancels what runs, reports final counts."""
 

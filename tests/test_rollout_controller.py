@@ -94,6 +94,7 @@ async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, re
         seed=seed,
         stats_every_s=0.05,
     )
+    ctl.announcements.put_nowait(VersionAnnouncement(version=0))
     task = asyncio.create_task(ctl.run())
     v, final, evals, lags = 0, None, [], []
     while True:
