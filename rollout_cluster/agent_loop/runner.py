@@ -1,0 +1,117 @@
+"""One episode end to end: choose the loop, run it, score it.
+
+This is what the rollout controller calls. `AgentRunner.from_config` builds the
+tools, the reward function and (lazily) one instance of each agent loop from
+`ExperimentConfig.agent`; `run_episode` runs one copy of one prompt and returns a
+scored `AgentLoopOutput`, `None` for a workflow rejection, or raises a typed
+exception the controller counts:
+
+- `RewardError` (`.reason`): the reward raised, timed out or was not finite → `failed`;
+- `EpisodeAbortedError`: the engine aborted the request (shutdown, explicit abort)
+  → `cancelled`;
+- `NoServerAvailableError` (from the manager): no server is left → `failed`.
+
+Any other exception is a bug in a loop or tool code; count it as `failed` too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from areal_like.config import AgentConfig, ExperimentConfig
+from areal_like.types import AgentLoopOutput, SamplingParams
+from rollout_cluster.agent_loop.base import AgentLoopBase, resolve_agent_loop
+from rollout_cluster.rewards import RewardError, RewardFn, compute_reward, load_reward
+from rollout_cluster.tools import BaseTool, build_tools
+
+__all__ = ["AgentRunner", "EpisodeAbortedError"]
+
+
+class EpisodeAbortedError(Exception):
+    """The engine aborted the episode's request; its partial output is not a sample."""
+
+    def __init__(self, episode_id: str, output: AgentLoopOutput) -> None:
+        super().__init__(f"episode {episode_id} was aborted by the engine")
+        self.output = output
+
+
+class AgentRunner:
+    """Holds what episodes share (manager, tokenizer, tools, reward, loop instances)."""
+
+    def __init__(
+        self,
+        *,
+        server_manager: Any,
+        tokenizer: Any,
+        config: AgentConfig,
+        response_length: int,
+        tools: Sequence[BaseTool] | None = None,
+        reward_fn: str | RewardFn | None = None,
+        loops: Mapping[str, str | type[AgentLoopBase] | Callable[..., Any]] | None = None,
+        base_dir: str | Path | None = None,
+    ) -> None:
+        self.server_manager = server_manager
+        self.tokenizer = tokenizer
+        self.config = config
+        self.response_length = response_length
+        self.base_dir = base_dir
+        self.tools = list(tools) if tools is not None else build_tools(config, base_dir=base_dir)
+        self.reward_fn = load_reward(reward_fn if reward_fn is not None else config.reward, base_dir=base_dir)
+        self._loop_specs = dict(loops or {})
+        self._loops: dict[str, AgentLoopBase] = {}
+
+    @classmethod
+    def from_config(
+        cls, cfg: ExperimentConfig, *, server_manager: Any, tokenizer: Any, **overrides: Any
+    ) -> AgentRunner:
+        """Everything from `cfg.agent` and `cfg.rollout.response_length`; user code paths
+        resolve against the config file's folder."""
+        base_dir = Path(cfg.source).parent if cfg.source else None
+        kwargs: dict[str, Any] = dict(
+            server_manager=server_manager,
+            tokenizer=tokenizer,
+            config=cfg.agent,
+            response_length=cfg.rollout.response_length,
+            base_dir=base_dir,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def loop_for(self, name: str) -> AgentLoopBase:
+        """The (cached) loop instance for an `agent_name`."""
+        loop = self._loops.get(name)
+        if loop is None:
+            loop_cls = resolve_agent_loop(self._loop_specs.get(name, name), base_dir=self.base_dir)
+            loop = loop_cls(
+                server_manager=self.server_manager,
+                tokenizer=self.tokenizer,
+                config=self.config,
+                response_length=self.response_length,
+                tools=self.tools,
+            )
+            self._loops[name] = loop
+        return loop
+
+    async def run_episode(
+        self, sample: dict[str, Any], sampling_params: SamplingParams, *, episode_id: str
+    ) -> AgentLoopOutput | None:
+        """Run and score one episode; see the module docstring for what it raises."""
+        loop = self.loop_for(sample.get("agent_name") or self.config.default_loop)
+        output = await loop.run(sampling_params, **{**sample, "episode_id": episode_id})
+        if output is None:
+            return None
+        if output.extra.get("stop_reason") == "abort":
+            raise EpisodeAbortedError(episode_id, output)
+        output.extra.setdefault("episode_id", episode_id)
+        if output.reward is None:
+            reward, metrics = await compute_reward(
+                self.reward_fn, sample, output, timeout_s=self.config.reward_timeout_s
+            )
+            output.reward = reward
+            output.metrics.update(metrics)
+        elif not math.isfinite(output.reward):
+            raise RewardError("not_finite", f"agent loop set reward {output.reward}")
+        return output

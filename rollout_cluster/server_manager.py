@@ -1,0 +1,186 @@
+"""Routing generate calls over the rollout servers: least in-flight + sticky sessions.
+
+An episode's first turn goes to the server with the fewest requests in flight
+(ties broken by fewest requests served, so idle servers take turns); its later
+turns go to the same server, whose prefix cache still holds the conversation. The
+session → server map is an LRU bounded by `rollout.max_sticky_sessions`, so a run
+of millions of episodes does not grow it without bound; agent loops also release
+their session when the episode ends.
+
+A server that fails (its `generate` raises one of `failure_exceptions`:
+connection, OS, timeout, runtime or Ray errors) is taken out of rotation, its
+sticky sessions are forgotten so they move to other servers, and the call is
+retried elsewhere: a server death costs the episode one regenerated turn, never the
+episode. Other exceptions (a `ValueError` for an over-long prompt, say) are the
+request's fault and are raised to the caller without touching the server. When no
+server is left, `NoServerAvailableError` is raised.
+
+Servers are any objects with `async generate(*, request_id, prompt_ids,
+sampling_params) -> GenerateResult`: an in-process `RolloutServer`, an adapter over
+a Ray actor handle, or an HTTP client.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from areal_like.types import GenerateResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GenerateServer", "NoServerAvailableError", "ServerManager", "default_failure_exceptions"]
+
+
+class GenerateServer(Protocol):
+    async def generate(
+        self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
+    ) -> GenerateResult: ...
+
+
+class NoServerAvailableError(RuntimeError):
+    """Every server has failed or been removed; the episode cannot continue."""
+
+
+def default_failure_exceptions() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "this server is broken". Ray's are included only when Ray is
+    already imported, so using the manager never imports Ray."""
+    errors: tuple[type[BaseException], ...] = (ConnectionError, OSError, TimeoutError, RuntimeError, EOFError)
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    if ray_exceptions is not None:
+        errors += (ray_exceptions.RayError,)
+    return errors
+
+
+@dataclass
+class _Slot:
+    server: Any
+    in_flight: int = 0
+    served: int = 0
+
+
+class ServerManager:
+    """Picks a server per call; see the module docstring for the policy."""
+
+    def __init__(
+        self,
+        servers: Iterable[Any] | Mapping[str, Any] = (),
+        *,
+        max_sticky_sessions: int = 10_000,
+        failure_exceptions: tuple[type[BaseException], ...] | None = None,
+        on_server_failure: Callable[[str, BaseException], None] | None = None,
+    ) -> None:
+        if max_sticky_sessions < 1:
+            raise ValueError("max_sticky_sessions must be >= 1")
+        self.max_sticky_sessions = max_sticky_sessions
+        self.failure_exceptions = failure_exceptions or default_failure_exceptions()
+        self.on_server_failure = on_server_failure
+        self._slots: dict[str, _Slot] = {}
+        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._next_name = 0
+        self.num_failures = 0
+        self.num_retries = 0
+        items = servers.items() if isinstance(servers, Mapping) else ((None, s) for s in servers)
+        for name, server in items:
+            self.add_server(server, name=name)
+
+    # --- membership -------------------------------------------------------------------
+
+    def add_server(self, server: Any, name: str | None = None) -> str:
+        """Put a server into rotation; returns its name (generated if not given)."""
+        if name is None:
+            name = getattr(server, "name", None) or f"server-{self._next_name}"
+            self._next_name += 1
+        if name in self._slots:
+            raise ValueError(f"server {name!r} is already registered")
+        self._slots[name] = _Slot(server)
+        return name
+
+    def remove_server(self, name: str) -> None:
+        """Take a server out of rotation. Calls already on it finish there; its sessions move."""
+        if self._slots.pop(name, None) is None:
+            raise KeyError(f"no server named {name!r}; servers: {sorted(self._slots)}")
+        for session in [s for s, n in self._sticky.items() if n == name]:
+            del self._sticky[session]
+
+    @property
+    def server_names(self) -> list[str]:
+        return list(self._slots)
+
+    def in_flight(self) -> dict[str, int]:
+        return {name: slot.in_flight for name, slot in self._slots.items()}
+
+    def release_session(self, session_id: str) -> None:
+        """Forget a finished episode's server (the LRU bound is only the safety net)."""
+        self._sticky.pop(session_id, None)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "servers": float(len(self._slots)),
+            "sticky_sessions": float(len(self._sticky)),
+            "in_flight": float(sum(s.in_flight for s in self._slots.values())),
+            "server_failures": float(self.num_failures),
+            "generate_retries": float(self.num_retries),
+        }
+
+    # --- routing ----------------------------------------------------------------------
+
+    def _pick(self, session_id: str) -> str:
+        name = self._sticky.get(session_id)
+        if name is not None and name in self._slots:
+            self._sticky.move_to_end(session_id)
+            return name
+        if not self._slots:
+            raise NoServerAvailableError("no rollout server is available (all failed or removed)")
+        name = min(self._slots, key=lambda n: (self._slots[n].in_flight, self._slots[n].served))
+        self._sticky[session_id] = name
+        self._sticky.move_to_end(session_id)
+        while len(self._sticky) > self.max_sticky_sessions:
+            self._sticky.popitem(last=False)
+        return name
+
+    def _fail(self, name: str, slot: _Slot, error: BaseException) -> None:
+        if self._slots.get(name) is not slot:
+            return  # another call already took it out
+        self.num_failures += 1
+        logger.warning(
+            "rollout server %s failed (%s: %s); taking it out of rotation", name, type(error).__name__, error
+        )
+        self.remove_server(name)
+        if self.on_server_failure is not None:
+            self.on_server_failure(name, error)
+
+    async def generate(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams,
+        session_id: str | None = None,
+    ) -> GenerateResult:
+        """Generate on the session's server (`session_id`, default `request_id`), failing over.
+
+        The turn is retried on another server after a server failure, until it
+        succeeds or no server is left.
+        """
+        session = session_id or request_id
+        while True:
+            name = self._pick(session)
+            slot = self._slots[name]
+            slot.in_flight += 1
+            slot.served += 1
+            try:
+                return await slot.server.generate(
+                    request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+                )
+            except self.failure_exceptions as e:
+                if isinstance(e, NoServerAvailableError):
+                    raise
+                self._fail(name, slot, e)
+                self.num_retries += 1
+            finally:
+                slot.in_flight -= 1
