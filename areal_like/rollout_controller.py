@@ -188,7 +188,7 @@ class RolloutController:
             await self._apply_announcement(await self.announcements.get())
 
     async def _apply_announcement(self, ann: VersionAnnouncement) -> None:
-        self.gate.on_trainer_counts(ann.consumed, ann.dropped)
+        self.gate.on_trainer_counts(ann.consumed, ann.dropped, ann.sent_base)
         meta = ann.weights
         if meta is not None and meta.version > self.loaded_version:
             try:

@@ -35,6 +35,8 @@ class GateState:
     """Of those, samples the trainer dropped (cumulative, from its announcements)."""
     consumed: int = 0
     """Of those, samples the trainer trained on (cumulative, from its announcements)."""
+    sent_base: int = 0
+    """Samples sent before a resume (the trainer says how many); they still count."""
     rejected_at_gate: int = 0
     """Admission attempts refused (a counter for dashboards, not samples)."""
 
@@ -54,7 +56,7 @@ class StalenessGate:
 
     @property
     def accepted(self) -> int:
-        return self.s.sent - self.s.dropped
+        return self.s.sent_base + self.s.sent - self.s.dropped
 
     @property
     def capacity(self) -> int:
@@ -89,12 +91,13 @@ class StalenessGate:
         """Episodes stopped before finishing (shutdown); they release their slots."""
         self.s.running -= min(n, self.s.running)
 
-    def on_trainer_counts(self, consumed: int, dropped: int) -> None:
+    def on_trainer_counts(self, consumed: int, dropped: int, sent_base: int = 0) -> None:
         """Apply a trainer announcement's cumulative counts. Repeated or reordered
         announcements are harmless (max keeps the newest). The version in the same
         announcement only counts once the engines have loaded it (`set_loaded_version`)."""
         self.s.consumed = max(self.s.consumed, consumed)
         self.s.dropped = max(self.s.dropped, dropped)
+        self.s.sent_base = max(self.s.sent_base, sent_base)
 
     def set_loaded_version(self, version: int) -> None:
         """The engines now serve `version` (capacity follows what is loaded)."""

@@ -240,6 +240,9 @@ class VersionAnnouncement(_Strict):
     version: int = Field(ge=0)
     consumed: int = Field(0, ge=0)
     dropped: int = Field(0, ge=0)
+    sent_base: int = Field(0, ge=0)
+    """Samples the trainer side had received before this run was resumed: the rollout
+    gate counts them as sent, so `accepted` is right across recovery."""
     weights: WeightUpdateMeta | None = None
     data_position: dict[str, int] | None = None
     """Where the rollout side's prompt stream resumes (set after `--resume`); applied once,

@@ -178,3 +178,14 @@ def test_buffer_state_round_trip() -> None:
     c.load_state_dict(b.state_dict())
     assert c.counts == b.counts and c.depth == b.depth and c.dropped_sent == b.dropped_sent
     assert c.pop_batch(0, 1)[0].group_id == "a"
+
+
+def test_gate_after_resume_counts_samples_sent_before() -> None:
+    """A resumed trainer at v=3 with 8 samples buffered: the fresh rollout gate must not
+    admit (η+v+1)·B at once."""
+    g = StalenessGate(samples_per_step=4, max_staleness=1, max_concurrent=100)
+    g.set_loaded_version(3)
+    # trainer consumed 12, dropped 4, buffered 8 before the crash: 24 sent in all
+    g.on_trainer_counts(consumed=12, dropped=4, sent_base=24)
+    assert g.accepted == 20
+    assert g.capacity == 20 and not g.try_admit(1)

@@ -1,0 +1,290 @@
+"""The trainer side's schedule: data channel → buffer → train step → weights out.
+
+    announce (version, counts[, weights, data position])
+    until total_steps:
+        drain the data channel: groups into the buffer, rollout stats/evals into metrics
+        batch = buffer.pop_batch(v, batch_size)       (oldest first, η re-checked)
+        if none: wait (idle time counted), re-announce now and then
+        stats = train_step(batch)                      (v → v+1, or skipped)
+        every weight_sync.every_n_steps: snapshot weights, announce them, deliver
+        every run.checkpoint_every_n_steps: checkpoint trainer + counts + data position
+    announce stop; wait for the rollout side's final counts; write the summary
+
+The trainer side owns the run folder, the metrics and the summary (DESIGN.md §9.6).
+It does not know which backend trains or which transport carries weights: it is
+handed a `TrainerHandle` and a `WeightPublisher`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from areal_like.buffer import TrajectoryBuffer
+from areal_like.channels import ControlPublisher, DataPuller
+from areal_like.config import ExperimentConfig
+from areal_like.metrics import MetricsLog, MetricsRegistry
+from areal_like.run_dir import RunDir
+from areal_like.types import RolloutStats, Trajectory, TrajectoryGroup, VersionAnnouncement, WeightUpdateMeta
+
+__all__ = ["TrainerController", "TrainerHandle", "WeightPublisher"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainerHandle(Protocol):
+    version: int
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]: ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None: ...
+
+    def load(self, path: str | Path) -> dict[str, Any]: ...
+
+
+class WeightPublisher(Protocol):
+    """Snapshot weights as a version and return the meta; `wait` until delivered."""
+
+    def send(self, version: int, named_tensors: Any) -> WeightUpdateMeta: ...
+
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+
+class TrainerController:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        trainer: TrainerHandle,
+        weights: WeightPublisher,
+        puller: DataPuller,
+        publisher: ControlPublisher,
+        run_dir: RunDir,
+        mlog: MetricsLog,
+        registry: MetricsRegistry | None = None,
+        model_path: str | Path,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.weights = weights
+        self.puller = puller
+        self.publisher = publisher
+        self.run_dir = run_dir
+        self.mlog = mlog
+        self.m = registry or MetricsRegistry()
+        self.model_path = Path(model_path)
+        self.on_step = on_step
+        self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
+        self.started_before_resume = 0
+        self.sent_base = 0
+        self.rollout: RolloutStats | None = None
+        self.final: RolloutStats | None = None
+        self.data_position: dict[str, int] | None = None
+        self.last_meta: WeightUpdateMeta | None = None
+        self.resumed_meta: WeightUpdateMeta | None = None
+        self.idle_s = 0.0
+        self.busy_s = 0.0
+        self.evals: list[dict[str, Any]] = []
+        self._last_announce = 0.0
+        self._stopping = False
+
+    # ---- resume ----------------------------------------------------------------------
+    def resume(self) -> None:
+        ckpt = self.run_dir.latest_checkpoint()
+        if ckpt is None:
+            raise RuntimeError(f"--resume: no complete checkpoint in {self.run_dir.checkpoints}")
+        extra = self.trainer.load(ckpt / "trainer")
+        self.buffer.load_state_dict(extra["buffer"])
+        self.started_before_resume = int(extra["accounted"])
+        self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
+        self.data_position = extra.get("data_position")
+        self.run_dir.cut_back(self.trainer.version)
+        # The engines start from the base model: hand them the resumed weights first.
+        self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
+        log.info("resumed from %s at version %d (%d samples buffered)", ckpt, self.trainer.version, self.buffer.depth)
+
+    # ---- the schedule ------------------------------------------------------------------
+    def run(self) -> dict[str, int]:
+        cfg = self.cfg
+        if self.trainer.version == 0 and cfg.run.record_weights:
+            self.run_dir.record_weights(0, dict(self.trainer.named_weights()), self.model_path)
+        self._announce(weights=self.resumed_meta, data_position=self.data_position, force=True)
+        t_wait = time.time()
+        while self.trainer.version < cfg.train.total_steps:
+            self._drain(timeout_s=0.05)
+            v = self.trainer.version
+            groups = self.buffer.pop_batch(v, cfg.train.batch_size)
+            if groups is None:
+                self._announce(weights=self.resumed_meta if self.rollout is None else None)
+                continue
+            self.idle_s += time.time() - t_wait
+            t0 = time.time()
+            self._train(groups, v)
+            self.busy_s += time.time() - t0
+            t_wait = time.time()
+        return self._finish()
+
+    def _train(self, groups: list[TrajectoryGroup], v: int) -> None:
+        cfg = self.cfg
+        trajs = [t for g in groups for t in g.trajectories]
+        stats = self.trainer.train_step(trajs)
+        skipped = self.trainer.version == v
+        if skipped:
+            self.buffer.mark_skipped(groups)
+            log.warning("train step at v%d skipped (non-finite loss or gradient)", v)
+        else:
+            self.buffer.mark_trained(groups)
+            if cfg.run.record_trajectories:
+                self.run_dir.append_trajectories(groups, consumed_at_version=v)
+        new_v = self.trainer.version
+        head_lags = [v - g.head_version for g in groups]
+        token_lags = [v - x for t in trajs for x, m in zip(t.response_versions, t.response_mask, strict=True) if m]
+        rewards = [t.reward for t in trajs]
+        rec = {
+            "step": new_v if not skipped else v,
+            "skipped": skipped,
+            "reward_mean": sum(rewards) / len(rewards),
+            "samples": len(trajs),
+            "max_version_lag": max(head_lags),
+            "mean_version_lag": sum(head_lags) / len(head_lags),
+            "head_lag_hist": _hist(head_lags),
+            "token_lag_hist": _hist(token_lags),
+            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+            "buffer_depth": self.buffer.depth,
+            **{k: v for k, v in stats.items() if k not in ("version",)},
+        }
+        for lag in head_lags:
+            self.m.head_lag.observe(lag)
+        for lag in token_lags:
+            self.m.token_lag.observe(lag)
+        for r in rewards:
+            self.m.reward.observe(r)
+        self.m.reward_mean.set(rec["reward_mean"])
+        self.m.trainer_version.set(new_v)
+        self.m.train_tokens.inc(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+        if "behav_prox_gap" in stats:
+            self.m.logprob_gap.set(stats["behav_prox_gap"])
+        if not skipped and (new_v % cfg.weight_sync.every_n_steps == 0 or new_v >= cfg.train.total_steps):
+            t0 = time.time()
+            meta = self.weights.send(new_v, self.trainer.named_weights())
+            if cfg.run.record_weights:
+                self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
+            self.last_meta = meta
+            self._announce(weights=meta, force=True)
+            done = self.weights.wait(timeout=cfg.weight_sync.timeout_s)
+            rec["weight_sync_s"] = time.time() - t0
+            if done is not None and getattr(done, "bytes", 0):
+                rec["weight_sync_bytes"] = done.bytes
+                self.m.sync_bytes.inc(done.bytes)
+                self.m.sync_seconds.observe(done.seconds)
+            if done is not None and not getattr(done, "ok", True):
+                log.error("weight sync of v%d failed: %s (engines keep their version)", new_v, done.error)
+        else:
+            self._announce(force=True)
+        if self.rollout is not None:
+            rec["rollout_version"] = self.rollout.loaded_version
+        rec["trainer_idle_ratio"] = self.idle_s / max(self.idle_s + self.busy_s, 1e-9)
+        self.m.idle_ratio.labels(pool="train").set(rec["trainer_idle_ratio"])
+        self.mlog.write("train_step", new_v, **rec)
+        if self.on_step is not None:
+            self.on_step(rec)
+        if not skipped and (new_v % cfg.run.checkpoint_every_n_steps == 0 or new_v >= cfg.train.total_steps):
+            self.checkpoint()
+
+    # ---- channels ------------------------------------------------------------------------
+    def _announce(self, *, weights: WeightUpdateMeta | None = None, data_position: dict[str, int] | None = None,
+                  force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last_announce < 0.5:
+            return
+        self._last_announce = now
+        self.publisher.publish(
+            VersionAnnouncement(
+                version=self.trainer.version,
+                consumed=self.buffer.consumed,
+                dropped=self.buffer.dropped_sent,
+                sent_base=self.sent_base,
+                weights=weights,
+                data_position=data_position,
+                stop=self._stopping,
+            )
+        )
+
+    def _drain(self, timeout_s: float) -> None:
+        msg = self.puller.recv(timeout_s)
+        while msg is not None:
+            self._handle(msg)
+            msg = self.puller.recv(0)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, TrajectoryGroup):
+            self.buffer.put(msg)
+            self.m.buffer_depth.set(self.buffer.depth)
+        elif isinstance(msg, RolloutStats):
+            if msg.kind == "eval":
+                rec = self.mlog.write("eval", self.trainer.version, version=msg.loaded_version, **msg.metrics)
+                self.evals.append(rec)
+                log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.metrics.get("accuracy", float("nan")))
+                return
+            self.rollout = msg
+            if msg.kind == "final":
+                self.final = msg
+            self.m.server_version.labels(server="rollout").set(msg.loaded_version)
+            for k in ("running", "sent", "dropped", "consumed", "capacity"):
+                if f"gate_{k}" in msg.metrics:
+                    self.m.gate.labels(state=k).set(msg.metrics[f"gate_{k}"])
+            self.mlog.write("rollout", self.trainer.version, loaded_version=msg.loaded_version,
+                            started=msg.started, running=msg.running, **msg.metrics)
+        else:
+            log.warning("unexpected message on the data channel: %s", type(msg).__name__)
+
+    # ---- checkpoint and end ----------------------------------------------------------------
+    def _accounted(self) -> int:
+        """Episodes whose outcome is known to the trainer side (trained/dropped/buffered)."""
+        return sum(self.buffer.counts.values()) + self.buffer.depth
+
+    def checkpoint(self) -> None:
+        v = self.trainer.version
+        ckpt = self.run_dir.checkpoint_dir(v)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        data_position = None
+        if self.rollout is not None:
+            data_position = {k[5:]: int(x) for k, x in self.rollout.metrics.items() if k.startswith("data_")}
+        extra = {"buffer": self.buffer.state_dict(), "accounted": self._accounted(), "data_position": data_position}
+        self.trainer.save(ckpt / "trainer", extra=extra)
+        self.run_dir.mark_complete(ckpt, {"version": v, "time": time.time()})
+        self.run_dir.prune_checkpoints(keep=2)
+
+    def _finish(self, wait_s: float = 60.0) -> dict[str, int]:
+        self._stopping = True
+        deadline = time.time() + wait_s
+        while self.final is None and time.time() < deadline:
+            self._announce(force=True)
+            self._drain(timeout_s=0.2)
+        if self.final is None:
+            log.error("the rollout side did not report its final counts within %.0fs", wait_s)
+        started = self.started_before_resume + (self.final.started if self.final else self._accounted())
+        cancelled = self.final.cancelled if self.final else 0
+        summary = self.buffer.summary(started=started, cancelled=cancelled)
+        ok = TrajectoryBuffer.counts_add_up(summary)
+        if not ok:
+            log.error("outcome counts do not add up: %s", summary)
+        self.mlog.write("summary", self.trainer.version, counts_add_up=ok, **summary,
+                        evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.evals])
+        return summary
+
+
+def _hist(values: list[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in values:
+        out[str(x)] = out.get(str(x), 0) + 1
+    return out
+
