@@ -1,0 +1,186 @@
+"""`TrainWorkerGroup`: N train workers as Ray actors behind the `TrainEngine` calls.
+
+Each actor holds one `TorchTrainEngine`. The actors form their own
+torch.distributed group on a fresh TCPStore hosted by rank 0 (never Ray's
+collective library, never the weight-sync group), so DDP/FSDP collectives run
+directly between them. The group looks like one engine to the orchestrator:
+
+- `train_step(batch)` takes the *global* batch, shards it token-balanced across
+  ranks (advantages were already computed on the whole batch), runs the step on
+  every rank and returns rank 0's stats (already reduced over ranks);
+- `compute_logprobs(batch)` scatters and gathers back in the global order;
+- `named_weights()` comes from rank 0 (every rank takes part: FSDP must gather);
+- `save`/`load` run on every rank (each stores its RNG state).
+
+Threads are pinned per worker: each actor sets `torch.set_num_threads(threads)`
+and gets OMP/MKL thread variables to match, and reserves that many Ray CPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_like.config import TorchBackendConfig, TrainConfig
+from train_cluster.batch import TrainBatch, balanced_partition
+
+__all__ = ["TrainWorkerGroup"]
+
+logger = logging.getLogger(__name__)
+
+
+class _TrainWorker:
+    """Body of one Ray actor: joins the trainers' group, then owns a `TorchTrainEngine`."""
+
+    def __init__(self, rank: int, world_size: int, log_level: str) -> None:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s train[{rank}] %(name)s: %(message)s")
+        self.rank, self.world_size = rank, world_size
+        self.engine: Any = None
+
+    def store_addr(self) -> str:
+        """Rank 0 hosts the TCPStore: its node address and a free port."""
+        import ray
+
+        from train_cluster.torch_engine import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return f"{ip}:{free_port(ip)}"
+
+    def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str, seed: int) -> int:
+        from train_cluster.torch_engine import TorchTrainEngine, init_train_group
+
+        cfg = TrainConfig.model_validate(train_cfg)
+        if self.world_size > 1:
+            init_train_group(self.rank, self.world_size, store_addr, cfg.backend.device)
+        self.engine = TorchTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
+        return self.engine.version
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.engine.train_step(batch)
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.engine.compute_logprobs(batch)
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        weights = [(n, t.to("cpu", copy=True)) for n, t in self.engine.named_weights()]
+        return weights if self.rank == 0 else None
+
+    def save(self, path: str, extra: dict[str, Any] | None) -> None:
+        self.engine.save(path, extra)
+
+    def load(self, path: str) -> dict[str, Any]:
+        return self.engine.load(path)
+
+    def version(self) -> int:
+        return self.engine.version
+
+
+class TrainWorkerGroup:
+    """`train.backend.world_size` Ray actors training one model together (module docstring).
+
+    Call `ray.init(...)` first (with `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` and
+    `RAY_AUTH_MODE=disabled` on a single CPU machine, DESIGN.md §8). Pass the train
+    pool's `placement_group` to keep the actors inside it.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        train_cfg: TrainConfig,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        placement_group: Any = None,
+        log_level: str = "INFO",
+    ) -> None:
+        import ray
+
+        backend = train_cfg.backend
+        if not isinstance(backend, TorchBackendConfig):
+            raise ValueError(f"TrainWorkerGroup runs the torch backend; got train.backend.type={backend.type!r}")
+        if not ray.is_initialized():
+            raise RuntimeError("TrainWorkerGroup needs Ray: call ray.init() first")
+        self.world_size = backend.world_size
+        threads = str(backend.threads)
+        options: dict[str, Any] = {
+            "num_cpus": backend.threads,
+            "num_gpus": 1 if backend.device == "cuda" else 0,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                                         "TOKENIZERS_PARALLELISM": "false",
+                                         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}},
+        }
+        if placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=placement_group)
+        actor = ray.remote(_TrainWorker).options(**options)
+        self.workers = [actor.remote(r, self.world_size, log_level) for r in range(self.world_size)]
+        store = ray.get(self.workers[0].store_addr.remote())
+        cfg = train_cfg.model_dump(mode="json")
+        versions = ray.get([w.setup.remote(store, str(model_path), cfg, dtype, seed) for w in self.workers])
+        self._version = versions[0]
+        logger.info("TrainWorkerGroup: %d workers (%s, %s threads each), store %s", self.world_size,
+                    backend.strategy, threads, store)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _shards(self, batch: TrainBatch) -> list[list[int]]:
+        if batch.num_seqs < self.world_size:
+            raise ValueError(f"{batch.num_seqs} sequences cannot feed {self.world_size} train workers")
+        return balanced_partition(batch.seq_lens.tolist(), self.world_size)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        import ray
+
+        shards = self._shards(batch)
+        stats = ray.get([w.train_step.remote(batch.select(idx)) for w, idx in zip(self.workers, shards, strict=True)])
+        self._version = int(stats[0]["version"])
+        return stats[0]
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        import ray
+
+        shards = self._shards(batch)
+        parts = ray.get([w.compute_logprobs.remote(batch.select(idx))
+                         for w, idx in zip(self.workers, shards, strict=True)])
+        out = torch.zeros(batch.num_tokens)
+        offs = batch.offsets().tolist()
+        for idx, lp in zip(shards, parts, strict=True):
+            pos = 0
+            for s in idx:
+                n = offs[s + 1] - offs[s]
+                out[offs[s]:offs[s + 1]] = lp[pos:pos + n]
+                pos += n
+        return out
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank 0's HF-named weights (copies on CPU; tied duplicates dropped)."""
+        import ray
+
+        yield from ray.get([w.named_weights.remote() for w in self.workers])[0]
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        import ray
+
+        ray.get([w.save.remote(str(path), extra) for w in self.workers])
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        import ray
+
+        extras = ray.get([w.load.remote(str(path)) for w in self.workers])
+        self._version = ray.get(self.workers[0].version.remote())
+        return extras[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
