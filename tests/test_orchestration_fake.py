@@ -1,0 +1,142 @@
+"""Both controllers over real ZMQ channels, with a fake trainer and fake episodes:
+the real gate, buffer, channels, run folder and resume (invariants 1 and 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from areal_like.bridge import drive_rollout, make_sender
+from areal_like.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
+from areal_like.config import load_config
+from areal_like.dataset import PromptSource
+from areal_like.metrics import MetricsLog, read_jsonl
+from areal_like.rollout_controller import RolloutController
+from areal_like.run_dir import RunDir
+from areal_like.staleness import StalenessGate
+from areal_like.trainer_controller import TrainerController
+from areal_like.types import SamplingParams, WeightUpdateMeta
+from tests.test_rollout_controller import FakeRollout, _rows
+
+
+class FakeTrainer:
+    def __init__(self, nan_at: int = -1) -> None:
+        self.version = 0
+        self.w = torch.zeros(3)
+        self.nan_at = nan_at
+        self.seen: list[str] = []
+
+    def train_step(self, trajectories):
+        self.seen += [t.episode_id for t in trajectories]
+        if self.version == self.nan_at:
+            self.nan_at = -1
+            return {"loss": float("nan")}
+        self.version += 1
+        self.w += 1
+        return {"loss": 0.1, "behav_prox_gap": 0.0}
+
+    def named_weights(self):
+        yield "w", self.w
+
+    def save(self, path, extra=None):
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save({"version": self.version, "w": self.w, "extra": extra}, path / "state.pt")
+
+    def load(self, path):
+        st = torch.load(path / "state.pt", weights_only=True)
+        self.version, self.w = st["version"], st["w"]
+        return st["extra"]
+
+
+class FakeWeights:
+    def send(self, version, named_tensors):
+        dict(named_tensors)
+        return WeightUpdateMeta(version=version, transport="disk", tensors=[], checksum="x")
+
+    def wait(self, timeout=None):
+        return None
+
+
+def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None = None, seed: int = 0):
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}", "train.batch_size=2",
+                             "rollout.group_size=4", "staleness.max_staleness=1", "run.record_trajectories=true",
+                             "run.checkpoint_every_n_steps=3"])
+    rd = RunDir(cfg.run.dir)
+    rd.prepare(cfg, resume=resume)
+    puller = DataPuller("tcp://127.0.0.1:0")
+    publisher = ControlPublisher("tcp://127.0.0.1:0")
+    trainer = trainer or FakeTrainer()
+    tc = TrainerController(cfg, trainer=trainer, weights=FakeWeights(), puller=puller, publisher=publisher,
+                           run_dir=rd, mlog=MetricsLog(rd.metrics), model_path=tmp_path)
+    if resume:
+        tc.resume()
+
+    fake = FakeRollout(seed, fail_rate=0.05, reject_rate=0.05)
+
+    def rollout_thread() -> None:
+        async def main() -> None:
+            pusher = DataPusher(puller.addr)
+            sub = ControlSubscriber(publisher.addr)
+            ctl = RolloutController(
+                gate=StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, 16),
+                source=PromptSource(_rows(), seed=seed),
+                group_size=cfg.rollout.group_size,
+                sampling=SamplingParams(),
+                run_episode=fake.run_episode,
+                score=fake.score,
+                send=make_sender(pusher),
+                apply_weights=fake.apply_weights,
+                loaded_version=0,
+                seed=seed,
+                stats_every_s=0.1,
+            )
+            await drive_rollout(ctl, sub)
+            pusher.close()
+            sub.close()
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=rollout_thread, daemon=True)
+    t.start()
+    summary = tc.run()
+    t.join(30)
+    assert not t.is_alive()
+    puller.close()
+    publisher.close()
+    tc.mlog.close()
+    return cfg, rd, summary, trainer
+
+
+def test_two_sides_over_zmq_respect_eta_and_count_everything(tmp_path) -> None:
+    cfg, rd, summary, trainer = _run(tmp_path, steps=6, trainer=FakeTrainer(nan_at=2))
+    assert summary["started"] == sum(summary[k] for k in summary if k != "started")
+    assert summary["skipped"] > 0 and trainer.version == 6
+    recs = read_jsonl(rd.metrics)
+    steps = [r for r in recs if r["kind"] == "train_step"]
+    assert all(r["max_version_lag"] <= 1 for r in steps)
+    assert recs[-1]["kind"] == "summary" and recs[-1]["counts_add_up"]
+    trajs = read_jsonl(rd.trajectories)
+    # every trained sample recorded once, none twice
+    assert len({t["episode_id"] for t in trajs}) == len(trajs) == summary["trained"]
+    assert len(set(trainer.seen)) == len(trainer.seen)
+
+
+def test_resume_continues_version_and_counts(tmp_path) -> None:
+    _run(tmp_path, steps=4)  # checkpoints at v3 and v4
+    ckpt = RunDir(tmp_path / "run").latest_checkpoint()
+    assert ckpt is not None and ckpt.name.endswith("4")
+    cfg, rd, summary, trainer = _run(tmp_path, steps=8, resume=True, seed=1)
+    assert trainer.version == 8
+    recs = read_jsonl(rd.metrics)
+    steps = [r["step"] for r in recs if r["kind"] == "train_step"]
+    assert steps == sorted(set(steps)) and steps[-1] == 8
+    assert [r["kind"] for r in recs].count("summary") == 1  # the first run's summary was cut back
+    assert TrainerControllerCounts.add_up(summary)
+
+
+class TrainerControllerCounts:
+    @staticmethod
+    def add_up(summary) -> bool:
+        return summary["started"] == sum(v for k, v in summary.items() if k != "started")
