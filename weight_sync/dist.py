@@ -1,0 +1,629 @@
+"""Dist transport: a dedicated torch.distributed group (trainer rank 0 + every rollout engine).
+
+Why a group built by hand: the trainer already has a default process group (DDP/FSDP)
+and `init_process_group` can run once per process; `ray.util.collective` reuses the
+default group and hangs (DESIGN.md §8). So the sender hosts its own `TCPStore`
+(`weight_sync.store_addr`, port 0 = pick) and every group generation is a
+`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) constructed directly on a
+`PrefixStore("gen{g}/")` of it. Nothing here touches the default group.
+
+What travels where:
+- The meta (names, dtypes, shapes, checksum) goes on the orchestrator's control
+  channel. Its `path` is this transfer's address, `tcp://host:port/<sender nonce>/<seq>`,
+  so a receiver needs no configuration beyond the meta: it connects to the store
+  the meta names (a restarted trainer has a new nonce, and receivers reconnect).
+- Per transfer `seq`, the store carries a rendezvous: each receiver announces
+  `x{seq}/ready`, the sender publishes `x{seq}/plan` = {generation, members}.
+- The bytes go by broadcast from rank 0: a 6-int64 header (magic, seq, version,
+  generation, total bytes, tensor count) that proves both sides talk about the same
+  transfer, then the flat layout of `meta.FlatLayout` in `bucket_mb` byte ranges,
+  two in flight, so receivers checksum one bucket while the next arrives.
+
+Membership is fixed per generation (DESIGN.md §9.15). The sender waits up to
+`timeout_s` for the receivers it knows to be ready; a known receiver that does not
+show up is dropped, a ready receiver it did not know is added, and any change (or
+any failed collective, on either side) starts generation g+1 with a fresh group on a
+fresh store prefix. Receivers follow the plan lazily, inside `receive`. A receiver
+left out gets `NotAMemberError`, re-registers itself, and is in the next version's
+group (meanwhile its caller keeps its weights or reads the disk transport).
+
+Failure: every store wait and collective has `timeout_s`. A receiver receives the
+whole version into its preallocated buffer, verifies the checksum, and only then
+returns the iterator; any error raises `WeightSyncError`, so the engine keeps its old
+weights. The sender never raises for a failed delivery (the trainer must not stop
+training because an engine died): it logs, records it in `last_transfer`, and the next
+`send` rebuilds the group.
+
+`send` snapshots the weights into a staging buffer, computes the checksum and returns
+the meta at once; the broadcast runs on a background thread while the trainer goes on
+training (the broadcast cannot start before receivers have the meta anyway). The next
+`send` first waits for the previous transfer to end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal_like.config import WeightSyncConfig
+from areal_like.types import TensorMeta, WeightUpdateMeta
+from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, WeightSender
+from weight_sync.meta import (
+    FlatLayout,
+    NotAMemberError,
+    WeightSyncError,
+    check_spec,
+    checksum,
+    spec_of,
+)
+
+__all__ = ["DistWeightSender", "DistWeightReceiver", "parse_address"]
+
+log = logging.getLogger(__name__)
+
+_CTL = "areal_ws/"
+_MAGIC = 0x41574653  # "AWFS"
+_HEADER_LEN = 6
+_WINDOW = 2
+"""Buckets in flight: one on the wire while the previous one is checksummed."""
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    """`host:port` or `tcp://host:port` → (host, port)."""
+    rest = addr.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise WeightSyncError(f"bad weight-group store address {addr!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def _parse_path(path: str | None) -> tuple[str, str, int]:
+    """A dist meta's `path`, `tcp://host:port/nonce/seq` → (host:port, nonce, seq)."""
+    if not path or not path.startswith("tcp://"):
+        raise WeightSyncError(f"dist meta has no transfer address (path={path!r})")
+    parts = path.removeprefix("tcp://").split("/")
+    if len(parts) != 3 or not parts[2].isdigit():
+        raise WeightSyncError(f"bad dist transfer address {path!r}; expected tcp://host:port/nonce/seq")
+    return parts[0], parts[1], int(parts[2])
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _make_group(
+    store: dist.Store,
+    generation: int,
+    rank: int,
+    size: int,
+    host: str,
+    device: torch.device,
+    timeout_s: float,
+) -> Any:
+    """A fresh process group of one generation; blocks until all `size` ranks construct it."""
+    prefixed = dist.PrefixStore(f"gen{generation}/", store)
+    if device.type == "cuda":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = _timedelta(timeout_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, size, nccl_opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _timedelta(timeout_s)
+    # On one machine bind to loopback; across machines use the interface gloo picks
+    # (the hostname's address, or GLOO_SOCKET_IFNAME).
+    gloo_device = (
+        dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+        if host in _LOOPBACK
+        else dist.ProcessGroupGloo.create_default_device()
+    )
+    opts._devices = [gloo_device]
+    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+
+
+def _abort(group: Any) -> None:
+    """Tear a group down without waiting on peers that may be dead."""
+    try:
+        group.abort()
+    except Exception as e:  # a broken group may refuse even this; it is dropped either way
+        log.debug("weight group abort: %s", e)
+
+
+def _header(seq: int, version: int, generation: int, total_bytes: int, n_tensors: int) -> list[int]:
+    return [_MAGIC, seq, version, generation, total_bytes, n_tensors]
+
+
+def _poll(check: Any, deadline: float) -> bool:
+    """Poll `check()` with backoff until true or the deadline (store waits log noisily on timeout)."""
+    delay = 0.002
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.05)
+    return True
+
+
+class DistWeightSender(WeightSender):
+    """Trainer rank 0. Hosts the store and broadcasts each version to the current group.
+
+    Construct it once per run on the trainer's rank 0 (and only there). `store_addr`
+    is the bound `host:port` (useful when the config said port 0); receivers do not
+    need it, since every meta carries it.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, *, device: str | torch.device = "cpu") -> None:
+        host, port = parse_address(cfg.store_addr)
+        self.timeout_s = cfg.timeout_s
+        self.bucket_bytes = max(1, int(cfg.bucket_mb * 1024 * 1024))
+        self.device = torch.device(device)
+        self._host = host
+        self._store = dist.TCPStore(
+            host, port, None, True, timeout=_timedelta(cfg.timeout_s), wait_for_workers=False
+        )
+        self.store_addr = f"{host}:{self._store.port}"
+        self._ctl = dist.PrefixStore(_CTL, self._store)
+        self._nonce = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._generation = 0
+        self._group: Any = None
+        self._members: list[str] = []
+        self._known: list[str] = []
+        """Receivers expected at the next transfer: current members and new registrations."""
+        self._incarnations: dict[str, str] = {}
+        """Member id -> the receiver object's random id; a change means the engine restarted."""
+        self._joins_seen = 0
+        self._leaves_seen = 0
+        self._layout: FlatLayout | None = None
+        self._staging: torch.Tensor | None = None
+        self._thread: threading.Thread | None = None
+        self._last: TransferStats | None = None
+        log.info("weight group store listening on %s", self.store_addr)
+
+    @property
+    def last_transfer(self) -> TransferStats | None:
+        return self._last
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def send(self, version: int, named_tensors: NamedTensors) -> WeightUpdateMeta:
+        self._join_previous()
+        items = [(name, t.detach()) for name, t in named_tensors]
+        metas = spec_of(items)
+        if len({m.name for m in metas}) != len(metas):
+            raise WeightSyncError("a tensor name is given twice")
+        layout = FlatLayout.from_metas(metas)
+        if layout != self._layout or self._staging is None:
+            self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            self._layout = layout
+        crcs = []
+        for slot, (_, t) in zip(layout.slots, items, strict=True):
+            layout.view(self._staging, slot).copy_(t)
+            crcs.append(layout.slot_crc(self._staging, slot))
+        del items
+        self._seq += 1
+        meta = WeightUpdateMeta(
+            version=version,
+            transport="dist",
+            tensors=metas,
+            checksum=checksum(metas, crcs),
+            bucket_bytes=self.bucket_bytes,
+            path=f"tcp://{self.store_addr}/{self._nonce}/{self._seq}",
+        )
+        self._thread = threading.Thread(
+            target=self._transfer, args=(meta, self._seq), name=f"weight-sync-v{version}", daemon=True
+        )
+        self._thread.start()
+        return meta
+
+    def wait(self, timeout: float | None = None) -> TransferStats | None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise WeightSyncError(f"weight transfer still running after {timeout}s")
+        return self._last
+
+    def wait_for_receivers(self, n: int, timeout: float | None = None) -> list[str]:
+        """Block until at least `n` receivers have registered (called `connect`).
+
+        For startup: a receiver that first connects when its first meta arrives misses
+        that version (NotAMemberError) and is in the next one; an orchestrator that
+        knows how many engines to expect calls this before the first `send` instead.
+        """
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+
+        def enough() -> bool:
+            self._read_registrations()
+            return len(self._known) >= n
+
+        if not _poll(enough, deadline):
+            raise WeightSyncError(f"only {len(self._known)} of {n} weight receivers registered: {self._known}")
+        return list(self._known)
+
+    def _join_previous(self) -> None:
+        """The staging buffer and the group are reused: the previous transfer must be over.
+
+        Every step of a transfer is bounded by timeout_s; the bound here only guards
+        against a transport that ignores its own timeouts.
+        """
+        if self._thread is None:
+            return
+        n_buckets = len(self._layout.buckets(self.bucket_bytes)) if self._layout else 0
+        self.wait(self.timeout_s * (4 + n_buckets))
+
+    def _transfer(self, meta: WeightUpdateMeta, seq: int) -> None:
+        t0 = time.perf_counter()
+        stats = TransferStats(version=meta.version)
+        try:
+            members = self._gather_members(seq)
+            if not members:
+                self._drop_group()
+                self._members = []
+                self._ctl.set(f"x{seq}/plan", json.dumps({"generation": self._generation, "members": []}))
+                stats.ok = True
+                log.info("weights v%d: no receiver in the weight group, nothing sent", meta.version)
+                return
+            broken = self._group is not None and self._ctl.add(f"gen{self._generation}/broken", 0) > 0
+            if members != self._members or self._group is None or broken:
+                self._drop_group()
+                self._generation += 1
+                self._members = members
+            stats.generation, stats.receivers = self._generation, list(members)
+            self._ctl.set(f"x{seq}/plan", json.dumps({"generation": self._generation, "members": members}))
+            if self._group is None:
+                t_build = time.perf_counter()
+                self._group = _make_group(
+                    self._store,
+                    self._generation,
+                    0,
+                    len(members) + 1,
+                    self._host,
+                    self.device,
+                    self.timeout_s,
+                )
+                log.info(
+                    "weight group generation %d formed with %s in %.2fs",
+                    self._generation,
+                    members,
+                    time.perf_counter() - t_build,
+                )
+            self._broadcast(meta, seq)
+            stats.ok = True
+            stats.bytes = self._layout.total_bytes if self._layout else 0
+        except Exception as e:  # delivery failed; the trainer goes on, the next send rebuilds
+            stats.error = f"{type(e).__name__}: {e}"
+            log.error(
+                "weights v%d not delivered (generation %d): %s", meta.version, self._generation, stats.error
+            )
+            self._drop_group()
+        finally:
+            stats.seconds = time.perf_counter() - t0
+            self._last = stats
+            self._forget(seq - 2)
+            if stats.ok and stats.receivers:
+                log.info(
+                    "weights v%d sent to %d receivers: %.1f MB in %.3fs (%.2f GB/s)",
+                    meta.version,
+                    len(stats.receivers),
+                    stats.bytes / 1e6,
+                    stats.seconds,
+                    stats.gb_per_s,
+                )
+
+    def _gather_members(self, seq: int) -> list[str]:
+        """Wait (≤ timeout_s) for the known receivers to be ready; decide who is in.
+
+        Known receivers (current members and earlier registrations) that are not ready
+        by the deadline are dropped: dead, or too slow (they get NotAMemberError and
+        re-register). Receivers that registered during the wait are not waited for
+        (they may have connected after this meta went out) but are taken if ready.
+        New members come after existing ones, so ranks stay stable.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        self._read_registrations()
+        waited_for = set(self._known)
+        ready: dict[str, str] = {}  # receiver id -> incarnation
+
+        def all_known_ready() -> bool:
+            self._read_registrations()
+            n = self._ctl.add(f"x{seq}/ready/n", 0)
+            for i in range(len(ready) + 1, n + 1):
+                rid, _, incarnation = self._ctl.get(f"x{seq}/ready/{i}").decode().partition(" ")
+                ready[rid] = incarnation
+            return waited_for <= ready.keys()
+
+        if not _poll(all_known_ready, deadline):
+            missing = sorted(waited_for - ready.keys())
+            log.warning(
+                "weight receivers %s not ready within %.1fs; leaving them out", missing, self.timeout_s
+            )
+            self._known = [r for r in self._known if r not in missing]
+        members = [r for r in self._members if r in ready]
+        members += [r for r in ready if r not in members]
+        restarted = [r for r in members if self._incarnations.get(r, ready[r]) != ready[r]]
+        if restarted:
+            log.info("weight receivers %s restarted; the group will be rebuilt", restarted)
+            self._drop_group()
+        self._incarnations = {r: ready[r] for r in members}
+        return members
+
+    def _read_registrations(self) -> None:
+        """Apply the join and leave logs receivers append to (the store cannot list keys)."""
+        n = self._ctl.add("join/n", 0)
+        for i in range(self._joins_seen + 1, n + 1):
+            rid = self._ctl.get(f"join/{i}").decode()
+            if rid not in self._known:
+                self._known.append(rid)
+        self._joins_seen = n
+        n = self._ctl.add("leave/n", 0)
+        for i in range(self._leaves_seen + 1, n + 1):
+            rid = self._ctl.get(f"leave/{i}").decode()
+            if rid in self._known:
+                self._known.remove(rid)
+        self._leaves_seen = n
+
+    def _broadcast(self, meta: WeightUpdateMeta, seq: int) -> None:
+        assert self._layout is not None and self._staging is not None
+        timeout = _timedelta(self.timeout_s)
+        header = torch.tensor(
+            _header(seq, meta.version, self._generation, self._layout.total_bytes, len(meta.tensors)),
+            dtype=torch.int64,
+            device=self.device,
+        )
+        self._group.broadcast(header, 0, timeout).wait(timeout)
+        in_flight: deque[Any] = deque()
+        for start, end in self._layout.buckets(self.bucket_bytes):
+            in_flight.append(self._group.broadcast(self._staging[start:end], 0, timeout))
+            if len(in_flight) >= _WINDOW:
+                in_flight.popleft().wait(timeout)
+        while in_flight:
+            in_flight.popleft().wait(timeout)
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            _abort(self._group)
+            self._group = None
+
+    def _forget(self, seq: int) -> None:
+        """Delete an old transfer's rendezvous keys so the store does not grow with the run."""
+        if seq < 1:
+            return
+        n = self._ctl.add(f"x{seq}/ready/n", 0)
+        for key in [f"x{seq}/plan", f"x{seq}/ready/n"] + [f"x{seq}/ready/{i}" for i in range(1, n + 1)]:
+            self._ctl.delete_key(key)
+
+    def close(self) -> None:
+        try:
+            self._join_previous()
+        finally:
+            self._drop_group()
+
+
+class DistWeightReceiver(WeightReceiver):
+    """One rollout engine's end of the weight group.
+
+    `receiver_id` must be unique among the engines and stable across restarts of the
+    same engine (e.g. its server name). The receiver connects to the store named by the
+    first meta it receives (or `connect()` may be called earlier, so that the sender
+    waits for it from the next version on).
+    """
+
+    def __init__(
+        self,
+        cfg: WeightSyncConfig,
+        receiver_id: str,
+        *,
+        expected: list[TensorMeta] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if not receiver_id or "/" in receiver_id or any(c.isspace() for c in receiver_id):
+            raise ValueError(
+                f"receiver_id must be a non-empty name without '/' or spaces, got {receiver_id!r}"
+            )
+        self.receiver_id = receiver_id
+        self._incarnation = uuid.uuid4().hex[:12]
+        self.timeout_s = cfg.timeout_s
+        self.expected = expected
+        self.device = torch.device(device)
+        self._default_addr = cfg.store_addr
+        self._store: dist.TCPStore | None = None
+        self._ctl: dist.PrefixStore | None = None
+        self._addr: str | None = None
+        self._nonce: str | None = None
+        self._group: Any = None
+        self._generation: int | None = None
+        self._layout: FlatLayout | None = None
+        self._flat: torch.Tensor | None = None
+        self._last: TransferStats | None = None
+
+    @property
+    def last_transfer(self) -> TransferStats | None:
+        return self._last
+
+    @property
+    def generation(self) -> int | None:
+        return self._generation
+
+    def connect(self, addr: str | None = None) -> None:
+        """Connect to the sender's store and register, so the next version includes us."""
+        addr = addr or self._default_addr
+        host, port = parse_address(addr)
+        if port == 0:
+            raise WeightSyncError("store_addr has port 0; connect from a meta's address instead")
+        self._disconnect()
+        try:
+            self._store = dist.TCPStore(
+                host, port, None, False, timeout=_timedelta(self.timeout_s), wait_for_workers=False
+            )
+        except Exception as e:
+            raise WeightSyncError(f"cannot reach the weight-group store at {addr}: {e}") from e
+        self._ctl = dist.PrefixStore(_CTL, self._store)
+        self._addr = f"{host}:{port}"
+        self._register()
+
+    def _register(self) -> None:
+        assert self._ctl is not None
+        n = self._ctl.add("join/n", 1)
+        self._ctl.set(f"join/{n}", self.receiver_id)
+
+    def receive(self, meta: WeightUpdateMeta) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        t0 = time.perf_counter()
+        self._last = stats = TransferStats(version=meta.version)
+        try:
+            if meta.transport != "dist":
+                raise WeightSyncError(f"dist receiver got a {meta.transport!r} meta")
+            layout = FlatLayout.from_metas(meta.tensors)
+            addr, nonce, seq = _parse_path(meta.path)
+            if self._store is None or addr != self._addr or nonce != self._nonce:
+                self.connect(addr)  # first transfer, or the trainer restarted
+                self._nonce = nonce
+            spec_error: WeightSyncError | None = None
+            try:
+                check_spec(meta.tensors, self.expected)
+            except WeightSyncError as e:
+                spec_error = e  # still take part, so the others' transfer is not disturbed
+            plan = self._rendezvous(seq)
+            stats.generation = plan["generation"]
+            if self.receiver_id not in plan["members"]:
+                self._register()
+                raise NotAMemberError(
+                    f"receiver {self.receiver_id!r} is not in weight group generation {plan['generation']} "
+                    f"carrying v{meta.version}; re-registered for the next version"
+                )
+            crcs = self._receive_into_buffer(meta, layout, seq, plan)
+            if spec_error is not None:
+                raise spec_error
+            got = checksum(meta.tensors, crcs)
+            if got != meta.checksum:
+                raise WeightSyncError(
+                    f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
+                    f"keeping the old weights"
+                )
+        except WeightSyncError as e:
+            stats.error = str(e)
+            raise
+        except Exception as e:  # store/socket errors of every kind become one clear error
+            stats.error = f"{type(e).__name__}: {e}"
+            raise WeightSyncError(f"weights v{meta.version} not received: {stats.error}") from e
+        stats.ok = True
+        stats.bytes = layout.total_bytes
+        stats.seconds = time.perf_counter() - t0
+        return meta.version, self._iterate(layout)
+
+    def _rendezvous(self, seq: int) -> dict[str, Any]:
+        """Announce readiness for transfer `seq` and wait for the sender's plan.
+
+        The sender may itself wait timeout_s for a slow peer before it decides, so the
+        wait here is twice as long.
+        """
+        assert self._ctl is not None
+        ctl = self._ctl
+        n = ctl.add(f"x{seq}/ready/n", 1)
+        ctl.set(f"x{seq}/ready/{n}", f"{self.receiver_id} {self._incarnation}")
+        key = f"x{seq}/plan"
+        if not _poll(lambda: ctl.check([key]), time.monotonic() + 2 * self.timeout_s):
+            raise WeightSyncError(
+                f"no plan from the weight sender for transfer {seq} within {2 * self.timeout_s:.1f}s"
+            )
+        return json.loads(ctl.get(key).decode())
+
+    def _receive_into_buffer(
+        self, meta: WeightUpdateMeta, layout: FlatLayout, seq: int, plan: dict[str, Any]
+    ) -> list[int]:
+        """Receive every byte into the preallocated buffer; return per-tensor crcs.
+
+        Any failure here leaves the group unusable: abort it and flag its generation
+        broken, so the sender starts a new one for the next version.
+        """
+        assert self._ctl is not None
+        generation = plan["generation"]
+        try:
+            if self._group is None or self._generation != generation:
+                self._drop_group()
+                rank = plan["members"].index(self.receiver_id) + 1
+                self._group = _make_group(
+                    self._store,
+                    generation,
+                    rank,
+                    len(plan["members"]) + 1,
+                    self._addr.rpartition(":")[0],
+                    self.device,
+                    self.timeout_s,
+                )
+                self._generation = generation
+            if layout != self._layout or self._flat is None:
+                self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+                self._layout = layout
+            return self._receive_buckets(meta, layout, seq, generation)
+        except Exception:
+            self._ctl.add(f"gen{generation}/broken", 1)
+            self._drop_group()
+            raise
+
+    def _receive_buckets(
+        self, meta: WeightUpdateMeta, layout: FlatLayout, seq: int, generation: int
+    ) -> list[int]:
+        assert self._flat is not None
+        timeout = _timedelta(self.timeout_s)
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        self._group.broadcast(header, 0, timeout).wait(timeout)
+        want = _header(seq, meta.version, generation, layout.total_bytes, len(meta.tensors))
+        if header.tolist() != want:
+            raise WeightSyncError(f"weight stream header {header.tolist()} does not match the meta {want}")
+        crcs: list[int] = []
+        slots = layout.slots
+        in_flight: deque[tuple[Any, int]] = deque()
+
+        def finish_oldest() -> None:
+            work, end = in_flight.popleft()
+            work.wait(timeout)
+            while len(crcs) < len(slots) and slots[len(crcs)].end <= end:
+                crcs.append(layout.slot_crc(self._flat, slots[len(crcs)]))
+
+        for start, end in layout.buckets(meta.bucket_bytes or layout.total_bytes or 1):
+            in_flight.append((self._group.broadcast(self._flat[start:end], 0, timeout), end))
+            if len(in_flight) >= _WINDOW:
+                finish_oldest()
+        while in_flight:
+            finish_oldest()
+        while len(crcs) < len(slots):  # zero-byte tensors at the very end
+            crcs.append(layout.slot_crc(self._flat, slots[len(crcs)]))
+        return crcs
+
+    def _iterate(self, layout: FlatLayout) -> Iterator[tuple[str, torch.Tensor]]:
+        flat = self._flat
+        assert flat is not None
+        for slot in layout.slots:
+            yield slot.name, layout.view(flat, slot)
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            _abort(self._group)
+            self._group = None
+            self._generation = None
+
+    def _disconnect(self) -> None:
+        self._drop_group()
+        self._store = self._ctl = None
+        self._addr = self._nonce = None
+
+    def close(self) -> None:
+        """Leave the group: the sender stops waiting for this receiver from the next version."""
+        if self._ctl is not None:
+            try:
+                n = self._ctl.add("leave/n", 1)
+                self._ctl.set(f"leave/{n}", self.receiver_id)
+            except Exception as e:  # the trainer may already be gone
+                log.debug("weight receiver %s: leave not recorded: %s", self.receiver_id, e)
+        self._disconnect()

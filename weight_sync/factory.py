@@ -1,0 +1,41 @@
+"""Pick the transport named by `weight_sync.type`; callers never name a transport class."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from areal_like.config import WeightSyncConfig
+from areal_like.types import TensorMeta
+from weight_sync.base import WeightReceiver, WeightSender
+from weight_sync.disk import DiskWeightReceiver, DiskWeightSender
+from weight_sync.dist import DistWeightReceiver, DistWeightSender
+
+__all__ = ["make_sender", "make_receiver"]
+
+
+def make_sender(
+    cfg: WeightSyncConfig,
+    *,
+    device: str | torch.device = "cpu",
+    disk_path: str | os.PathLike[str] | None = None,
+) -> WeightSender:
+    """The trainer rank 0's sender. `disk_path` overrides `cfg.disk_path` (e.g. run.dir/weight_sync)."""
+    if cfg.type == "dist":
+        return DistWeightSender(cfg, device=device)
+    return DiskWeightSender(cfg, disk_path)
+
+
+def make_receiver(
+    cfg: WeightSyncConfig,
+    receiver_id: str,
+    *,
+    expected: list[TensorMeta] | None = None,
+    device: str | torch.device = "cpu",
+    disk_path: str | os.PathLike[str] | None = None,
+) -> WeightReceiver:
+    """One engine's receiver; `expected` (see `spec_of`) refuses weights of another shape."""
+    if cfg.type == "dist":
+        return DistWeightReceiver(cfg, receiver_id, expected=expected, device=device)
+    return DiskWeightReceiver(cfg, disk_path, expected=expected, device=device)
