@@ -2,9 +2,10 @@
 
 This is what the rollout controller calls. `AgentRunner.from_config` builds the
 tools, the reward function and (lazily) one instance of each agent loop from
-`ExperimentConfig.agent`; `run_episode` runs one copy of one prompt and returns a
-scored `AgentLoopOutput`, `None` for a workflow rejection, or raises a typed
-exception the controller counts:
+`ExperimentConfig.agent`. `run_episode(row, sampling, episode_id)` runs one copy of
+one prompt and returns an `AgentLoopOutput` (`None` for a workflow rejection);
+`score(row, output)` computes its reward. Both raise typed exceptions the
+controller counts:
 
 - `RewardError` (`.reason`): the reward raised, timed out or was not finite → `failed`;
 - `EpisodeAbortedError`: the engine aborted the request (shutdown, explicit abort)
@@ -96,16 +97,23 @@ class AgentRunner:
         return loop
 
     async def run_episode(
-        self, sample: dict[str, Any], sampling_params: SamplingParams, *, episode_id: str
+        self, sample: dict[str, Any], sampling_params: SamplingParams, episode_id: str
     ) -> AgentLoopOutput | None:
-        """Run and score one episode; see the module docstring for what it raises."""
+        """Run one episode with the row's loop (unscored). Matches the controller's
+        `RunEpisode(row, sampling, episode_id)`; raises `EpisodeAbortedError` on abort."""
         loop = self.loop_for(sample.get("agent_name") or self.config.default_loop)
         output = await loop.run(sampling_params, **{**sample, "episode_id": episode_id})
         if output is None:
             return None
+        output.extra.setdefault("episode_id", episode_id)
         if output.extra.get("stop_reason") == "abort":
             raise EpisodeAbortedError(episode_id, output)
-        output.extra.setdefault("episode_id", episode_id)
+        return output
+
+    async def score(self, sample: dict[str, Any], output: AgentLoopOutput) -> float:
+        """The episode's reward (off the event loop, with the timeout); extra metrics of a
+        dict reward land in `output.metrics`. A reward the loop already set is kept.
+        Matches the controller's `Score(row, output)`; raises `RewardError`."""
         if output.reward is None:
             reward, metrics = await compute_reward(
                 self.reward_fn, sample, output, timeout_s=self.config.reward_timeout_s
@@ -114,4 +122,4 @@ class AgentRunner:
             output.metrics.update(metrics)
         elif not math.isfinite(output.reward):
             raise RewardError("not_finite", f"agent loop set reward {output.reward}")
-        return output
+        return output.reward

@@ -1,0 +1,140 @@
+"""ServerManager: least in-flight on the first turn, sticky later turns, failover."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from areal_like.config import AgentConfig
+from areal_like.types import SamplingParams
+from rollout_cluster.agent_loop import ToolAgentLoop
+from rollout_cluster.server_manager import NoServerAvailableError, ServerManager
+from rollout_cluster.tools import CalculatorTool
+
+from ._agent_fakes import FakeServer, call_text
+
+SP = SamplingParams(max_tokens=16)
+
+
+def servers(tokenizer: Any, n: int, **kw: Any) -> list[FakeServer]:
+    return [FakeServer(tokenizer, lambda e, t: "ok", name=f"s{i}", **kw) for i in range(n)]
+
+
+def test_first_turns_balance_by_in_flight_and_later_turns_stick(tokenizer: Any) -> None:
+    pool = servers(tokenizer, 3, delay=0.01)
+    manager = ServerManager(pool)
+
+    async def episode(k: int) -> None:
+        for turn in range(3):
+            await manager.generate(
+                request_id=f"e{k}/{turn}", session_id=f"e{k}", prompt_ids=[1], sampling_params=SP
+            )
+
+    async def main() -> None:
+        await asyncio.gather(*(episode(k) for k in range(9)))
+
+    asyncio.run(main())
+    # Every episode's turns all went to one server ...
+    where = {}
+    for s in pool:
+        for request_id, _, _ in s.calls:
+            where.setdefault(request_id.split("/")[0], set()).add(s.name)
+    assert all(len(names) == 1 for names in where.values()) and len(where) == 9
+    # ... and the nine concurrent episodes were spread evenly.
+    assert sorted(len(s.calls) for s in pool) == [9, 9, 9]
+    assert manager.in_flight() == {"s0": 0, "s1": 0, "s2": 0}
+
+
+def test_least_in_flight_prefers_the_idle_server(tokenizer: Any) -> None:
+    slow, fast = FakeServer(tokenizer, lambda e, t: "x", name="slow", delay=0.2), servers(tokenizer, 1)[0]
+    manager = ServerManager([slow, fast])
+
+    async def main() -> None:
+        first = asyncio.create_task(
+            manager.generate(request_id="a", prompt_ids=[1], sampling_params=SP)
+        )  # goes to slow (tie → first)
+        await asyncio.sleep(0.01)
+        assert manager.in_flight() == {"slow": 1, "s0": 0}
+        for k in range(3):  # slow is busy: every new session goes to the idle one
+            await manager.generate(request_id=f"b{k}", prompt_ids=[1], sampling_params=SP)
+        await first
+
+    asyncio.run(main())
+    assert len(slow.calls) == 1 and len(fast.calls) == 3
+
+
+def test_sticky_map_is_lru_bounded(tokenizer: Any) -> None:
+    manager = ServerManager(servers(tokenizer, 2), max_sticky_sessions=3)
+
+    async def main() -> None:
+        for k in range(5):
+            await manager.generate(request_id=f"e{k}", prompt_ids=[1], sampling_params=SP)
+
+    asyncio.run(main())
+    assert manager.metrics()["sticky_sessions"] == 3
+    manager.release_session("e4")
+    assert manager.metrics()["sticky_sessions"] == 2
+
+
+def test_server_failure_mid_episode_completes_on_another_server(tokenizer: Any) -> None:
+    script = [call_text("2+2"), call_text("4*4"), "16"]
+    a, b = FakeServer(tokenizer, script, name="a"), FakeServer(tokenizer, script, name="b")
+    failed: list[str] = []
+    manager = ServerManager([a, b], on_server_failure=lambda name, e: failed.append(name))
+    loop = ToolAgentLoop(
+        server_manager=manager,
+        tokenizer=tokenizer,
+        config=AgentConfig(),
+        response_length=200,
+        tools=[CalculatorTool("calculator")],
+    )
+    original = a.generate
+
+    async def dies_on_second_turn(**kw: Any) -> Any:
+        if kw["request_id"].endswith("/1"):
+            raise ConnectionError("actor died")
+        return await original(**kw)
+
+    a.generate = dies_on_second_turn  # type: ignore[method-assign]
+    out = asyncio.run(loop.run(SamplingParams(), episode_id="ep", prompt="2+2"))
+    assert out is not None and out.extra["final_text"] == "16"
+    assert [c[0] for c in a.calls] == ["ep/0"] and [c[0] for c in b.calls] == ["ep/1", "ep/2"]
+    assert failed == ["a"] and manager.server_names == ["b"]
+    assert manager.metrics()["server_failures"] == 1 and manager.metrics()["generate_retries"] == 1
+    # The retried turn continued the same token sequence on the new server.
+    assert b.calls[0][1][: len(a.calls[0][1])] == a.calls[0][1]
+
+
+def test_all_servers_failing_raises_no_server(tokenizer: Any) -> None:
+    manager = ServerManager(servers(tokenizer, 2, fail_with=RuntimeError("engine dead")))
+    with pytest.raises(NoServerAvailableError):
+        asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
+    assert manager.server_names == []
+
+
+def test_request_errors_do_not_take_the_server_out(tokenizer: Any) -> None:
+    manager = ServerManager(servers(tokenizer, 1, fail_with=ValueError("prompt too long")))
+    with pytest.raises(ValueError, match="prompt too long"):
+        asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
+    assert manager.server_names == ["s0"] and manager.in_flight() == {"s0": 0}
+
+
+def test_add_and_remove_servers_move_sessions(tokenizer: Any) -> None:
+    a, b = servers(tokenizer, 2)
+    manager = ServerManager([a])
+
+    async def call(rid: str) -> None:
+        await manager.generate(request_id=rid, session_id="e", prompt_ids=[1], sampling_params=SP)
+
+    asyncio.run(call("e/0"))
+    manager.add_server(b)
+    asyncio.run(call("e/1"))  # sticky: stays on a even though b is idle
+    manager.remove_server("s0")
+    asyncio.run(call("e/2"))
+    assert [c[0] for c in a.calls] == ["e/0", "e/1"] and [c[0] for c in b.calls] == ["e/2"]
+    with pytest.raises(ValueError, match="already registered"):
+        manager.add_server(b)
+    with pytest.raises(KeyError):
+        manager.remove_server("nope")
