@@ -1,0 +1,236 @@
+"""`RolloutServer`: one engine, its weight-update entry point, health, metrics and HTTP.
+
+The server is what the orchestrator and the agent loops talk to (DESIGN.md §4). It
+adds nothing to generation itself; it:
+
+- hosts one `AsyncGenerateEngine` (the embedded engine behind `AsyncEngine`, or the
+  vLLM adapter), built from the rollout config by `build_engine`;
+- refuses bad requests up front with `RequestError` subclasses (ValueErrors whose
+  message names the broken limit), the same for in-process and HTTP callers;
+- keeps a metrics dict (engine counters, queue depth, KV usage, HTTP counters);
+- serves the OpenAI-compatible API (`rollout_cluster.http_api`) when asked,
+  on 127.0.0.1 by default, optionally behind a bearer token.
+
+In-process use and a Ray actor use the same object: wrap it in
+`ray.remote(RolloutServer)` or call it directly; every public method is either
+async or cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from areal_like.config import EmbeddedEngineConfig, VLLMEngineConfig
+from areal_like.types import GenerateResult, SamplingParams
+from rollout_cluster.engine.base import (
+    AsyncGenerateEngine,
+    InterruptMode,
+    NamedTensors,
+    coerce_sampling_params,
+    validate_request,
+)
+
+__all__ = ["RolloutServer", "build_engine"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(
+    model_path: str | Path,
+    config: EmbeddedEngineConfig | VLLMEngineConfig | None = None,
+    *,
+    interrupt_mode: InterruptMode = "recompute",
+    seed: int = 0,
+    set_threads: bool = True,
+) -> AsyncGenerateEngine:
+    """The engine a `rollout.engine` config asks for, ready to serve.
+
+    `set_threads` applies `EmbeddedEngineConfig.threads` with `torch.set_num_threads`,
+    which is process-wide: right in a rollout server's own process (or Ray actor),
+    wrong in a process shared with a trainer, so it can be turned off.
+    """
+    config = config or EmbeddedEngineConfig()
+    if isinstance(config, VLLMEngineConfig):
+        from rollout_cluster.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, config, interrupt_mode=interrupt_mode, seed=seed)
+    import torch
+
+    from rollout_cluster.engine.async_engine import AsyncEngine
+    from rollout_cluster.engine.embedded import EmbeddedEngine
+
+    if set_threads:
+        torch.set_num_threads(config.threads)
+    return AsyncEngine(EmbeddedEngine(model_path, config, interrupt_mode=interrupt_mode, seed=seed))
+
+
+class RolloutServer:
+    """Hosts one engine: generate, weight updates, health, metrics, OpenAI HTTP API.
+
+    Build one with `RolloutServer.from_config(model_path, rollout_config.engine,
+    interrupt_mode=rollout_config.interrupt_mode)`, or around an engine you made.
+    The tokenizer is needed only for text prompts and chat over HTTP.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncGenerateEngine,
+        tokenizer: Any | None = None,
+        *,
+        model_name: str = "areal_like",
+        max_sessions: int = 10000,
+    ) -> None:
+        from rollout_cluster.http_api import SessionTokens
+
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.sessions = SessionTokens(max_sessions)
+        self.started_at = time.time()
+        self.counters: dict[str, float] = {
+            "http_requests": 0.0,
+            "http_errors": 0.0,
+            "requests_refused": 0.0,
+            "weight_update_seconds_total": 0.0,
+        }
+        self._http: Any = None  # http_api.HttpServer while serving
+
+    @classmethod
+    def from_config(
+        cls,
+        model_path: str | Path,
+        engine_config: EmbeddedEngineConfig | VLLMEngineConfig | None = None,
+        *,
+        interrupt_mode: InterruptMode = "recompute",
+        seed: int = 0,
+        load_tokenizer: bool = True,
+        set_threads: bool = True,
+    ) -> RolloutServer:
+        engine = build_engine(
+            model_path, engine_config, interrupt_mode=interrupt_mode, seed=seed, set_threads=set_threads
+        )
+        tokenizer = None
+        if load_tokenizer:
+            from areal_like.tiny_model import load_tokenizer as _load
+
+            tokenizer = _load(model_path)
+        return cls(engine, tokenizer, model_name=Path(model_path).name)
+
+    # ---- generation -------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    def check_request(
+        self, request_id: str, prompt_ids: Any, sampling_params: SamplingParams | Mapping[str, Any] | None
+    ) -> tuple[list[int], SamplingParams]:
+        """Validate without running: the errors `generate` would raise, raised now."""
+        try:
+            params = coerce_sampling_params(sampling_params)
+            ids = validate_request(
+                request_id,
+                prompt_ids,
+                params,
+                max_seq_len=self.engine.max_seq_len,
+                vocab_size=self.engine.vocab_size,
+            )
+        except ValueError:
+            self.counters["requests_refused"] += 1
+            raise
+        return ids, params
+
+    async def generate(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+    ) -> GenerateResult:
+        """One response (token ids, behaviour logprobs, per-token versions, stop reason)."""
+        ids, params = self.check_request(request_id, prompt_ids, sampling_params)
+        return await self.engine.generate(request_id=request_id, prompt_ids=ids, sampling_params=params)
+
+    async def generate_n(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+    ) -> list[GenerateResult]:
+        """`sampling_params.n` responses for one prompt, ids `"{request_id}:{i}"`."""
+        ids, params = self.check_request(request_id, prompt_ids, sampling_params)
+        gen_n = getattr(self.engine, "generate_n", None)
+        if gen_n is not None:
+            return await gen_n(request_id=request_id, prompt_ids=ids, sampling_params=params)
+        one = params.model_copy(update={"n": 1})
+        return list(
+            await asyncio.gather(
+                *(
+                    self.engine.generate(request_id=f"{request_id}:{i}", prompt_ids=ids, sampling_params=one)
+                    for i in range(params.n)
+                )
+            )
+        )
+
+    async def abort(self, request_ids: Iterable[str]) -> list[GenerateResult]:
+        return await self.engine.abort(request_ids)
+
+    async def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Load a new version; in-flight generate calls continue (per interrupt mode)."""
+        t0 = time.perf_counter()
+        await self.engine.update_weights(named_tensors, version)
+        dt = time.perf_counter() - t0
+        self.counters["weight_update_seconds_total"] += dt
+        logger.info("loaded weights version %d in %.3fs", version, dt)
+
+    # ---- health and metrics ---------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "version": self.version,
+            "uptime_s": time.time() - self.started_at,
+            "http": self._http.url if self._http is not None else None,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        """Engine counters and gauges (queue_depth, running, kv_usage, interrupts,
+        interrupted_tokens, recompute_tokens, pause_resume_latency_s_*, ...) plus
+        server counters (http_*, token continuity hits/fallbacks)."""
+        m = dict(self.engine.metrics())
+        m.update(self.counters)
+        m.update(self.sessions.counters)
+        m["version"] = float(self.version)
+        return m
+
+    # ---- HTTP -------------------------------------------------------------------------
+
+    async def start_http(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> str:
+        """Serve the OpenAI-compatible API; returns the base URL (`http://host:port`)."""
+        from rollout_cluster.http_api import HttpServer
+
+        if self._http is not None:
+            return self._http.url
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            logger.warning("rollout HTTP API listening on %s without an api_key", host)
+        self._http = HttpServer(self, api_key=api_key)
+        return await self._http.start(host, port)
+
+    async def stop_http(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
+
+    async def close(self) -> None:
+        await self.stop_http()
+        await self.engine.close()
