@@ -53,6 +53,47 @@ def sft(
     typer.echo(f"SFT model at {out}")
 
 
+@app.command()
+def audit(
+    run_dir: Path = typer.Argument(..., help="A run folder (run.dir)."),
+    tol: float = typer.Option(1e-3, help="Largest allowed |recorded - recomputed| behaviour logprob."),
+) -> None:
+    """Recompute recorded behaviour logprobs under each token's version; check the invariants."""
+    import json
+
+    from areal_like.audit import audit_run
+
+    rep = audit_run(run_dir, tol=tol)
+    typer.echo(json.dumps(rep.as_dict(), indent=2))
+    if rep.missing:
+        typer.secho("audit incomplete: " + "; ".join(rep.missing), fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(3)
+    if not rep.ok:
+        typer.secho(f"audit FAILED: {len(rep.problems)} problem(s)", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    typer.secho(
+        f"audit passed: {rep.tokens_checked} tokens of {rep.trajectories} trajectories, "
+        f"max logprob error {rep.max_logprob_error:.2e}",
+        fg=typer.colors.GREEN,
+    )
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run folder (run.dir)."),
+    out: Path = typer.Option(None, help="Where to write report.png/report.txt (default: the run folder)."),
+) -> None:
+    """Plot a run's metrics (reward, lag histogram, throughput, idle ratios) and summarise it."""
+    from areal_like.report import make_report
+
+    try:
+        png, text = make_report(run_dir, out)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    typer.echo(text)
+    typer.echo(f"plots: {png}")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -99,3 +99,16 @@ def test_audit_checks_lag_and_reports_missing(fake_run, tmp_path) -> None:
     shutil.rmtree(rd.weights)
     rep = audit_run(rd.path)
     assert any("record_weights" in m for m in rep.missing) and not rep.ok
+
+
+def test_audit_and_report_commands(fake_run) -> None:
+    from typer.testing import CliRunner
+
+    from areal_like.cli import app
+
+    r = CliRunner().invoke(app, ["audit", str(fake_run.path)])
+    assert r.exit_code == 0, r.output
+    assert "audit passed" in r.output
+    r = CliRunner().invoke(app, ["report", str(fake_run.path)])
+    assert r.exit_code == 0, r.output
+    assert (fake_run.path / "report.png").is_file()
