@@ -34,16 +34,23 @@ class TransferStats:
     version: int
     bytes: int = 0
     seconds: float = 0.0
+    """Whole transfer, waiting for peers included."""
+    rendezvous_s: float = 0.0
+    """Dist only: part of `seconds` spent waiting for peers and forming the group, not moving bytes."""
     ok: bool = False
     error: str | None = None
     receivers: list[str] = field(default_factory=list)
     """Dist sender only: the receiver ids of the group that carried this version."""
     generation: int | None = None
     """Dist only: the group generation (bumped whenever membership changes or a transfer fails)."""
+    accepted: int | None = None
+    """Dist sender only: how many receivers verified and accepted the version."""
 
     @property
     def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Throughput of the bytes on the wire (rendezvous excluded)."""
+        moving = self.seconds - self.rendezvous_s
+        return self.bytes / moving / 1e9 if moving > 0 else 0.0
 
 
 class WeightSender(abc.ABC):

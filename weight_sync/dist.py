@@ -18,6 +18,11 @@ What travels where:
   generation, total bytes, tensor count) that proves both sides talk about the same
   transfer, then the flat layout of `meta.FlatLayout` in `bucket_mb` byte ranges,
   two in flight, so receivers checksum one bucket while the next arrives.
+- Last, a one-int allreduce: each receiver votes 1 if it verified the version. It
+  doubles as a commit barrier: it succeeds only if every member received every byte,
+  so a version is either delivered to the whole group or to none of it (a receiver
+  dying mid-transfer makes every other receiver keep its old weights too), and it
+  tells the sender how many receivers accepted.
 
 Membership is fixed per generation (DESIGN.md §9.15). The sender waits up to
 `timeout_s` for the receivers it knows to be ready; a known receiver that does not
@@ -138,6 +143,13 @@ def _abort(group: Any) -> None:
         log.debug("weight group abort: %s", e)
 
 
+def _commit(group: Any, vote: int, device: torch.device, timeout_s: float) -> int:
+    """Sum of the receivers' votes (1 = verified); fails unless every member got here."""
+    ballot = torch.tensor([vote], dtype=torch.int64, device=device)
+    group.allreduce(ballot, dist.ReduceOp.SUM, _timedelta(timeout_s)).wait(_timedelta(timeout_s))
+    return int(ballot.item())
+
+
 def _header(seq: int, version: int, generation: int, total_bytes: int, n_tensors: int) -> list[int]:
     return [_MAGIC, seq, version, generation, total_bytes, n_tensors]
 
@@ -248,7 +260,9 @@ class DistWeightSender(WeightSender):
             return len(self._known) >= n
 
         if not _poll(enough, deadline):
-            raise WeightSyncError(f"only {len(self._known)} of {n} weight receivers registered: {self._known}")
+            raise WeightSyncError(
+                f"only {len(self._known)} of {n} weight receivers registered: {self._known}"
+            )
         return list(self._known)
 
     def _join_previous(self) -> None:
@@ -298,9 +312,15 @@ class DistWeightSender(WeightSender):
                     members,
                     time.perf_counter() - t_build,
                 )
-            self._broadcast(meta, seq)
-            stats.ok = True
+            stats.rendezvous_s = time.perf_counter() - t0
+            stats.accepted = self._broadcast(meta, seq)
             stats.bytes = self._layout.total_bytes if self._layout else 0
+            stats.ok = stats.accepted == len(members)
+            if not stats.ok:
+                stats.error = (
+                    f"{len(members) - stats.accepted} of {len(members)} receivers refused the version"
+                )
+                log.error("weights v%d: %s (see their logs)", meta.version, stats.error)
         except Exception as e:  # delivery failed; the trainer goes on, the next send rebuilds
             stats.error = f"{type(e).__name__}: {e}"
             log.error(
@@ -313,11 +333,12 @@ class DistWeightSender(WeightSender):
             self._forget(seq - 2)
             if stats.ok and stats.receivers:
                 log.info(
-                    "weights v%d sent to %d receivers: %.1f MB in %.3fs (%.2f GB/s)",
+                    "weights v%d sent to %d receivers: %.1f MB in %.3fs (%.3fs waiting for them, %.2f GB/s)",
                     meta.version,
                     len(stats.receivers),
                     stats.bytes / 1e6,
                     stats.seconds,
+                    stats.rendezvous_s,
                     stats.gb_per_s,
                 )
 
@@ -373,7 +394,8 @@ class DistWeightSender(WeightSender):
                 self._known.remove(rid)
         self._leaves_seen = n
 
-    def _broadcast(self, meta: WeightUpdateMeta, seq: int) -> None:
+    def _broadcast(self, meta: WeightUpdateMeta, seq: int) -> int:
+        """Send header and buckets; return how many receivers accepted the version."""
         assert self._layout is not None and self._staging is not None
         timeout = _timedelta(self.timeout_s)
         header = torch.tensor(
@@ -389,6 +411,7 @@ class DistWeightSender(WeightSender):
                 in_flight.popleft().wait(timeout)
         while in_flight:
             in_flight.popleft().wait(timeout)
+        return _commit(self._group, 0, self.device, self.timeout_s)
 
     def _drop_group(self) -> None:
         if self._group is not None:
@@ -501,13 +524,12 @@ class DistWeightReceiver(WeightReceiver):
                     f"receiver {self.receiver_id!r} is not in weight group generation {plan['generation']} "
                     f"carrying v{meta.version}; re-registered for the next version"
                 )
-            crcs = self._receive_into_buffer(meta, layout, seq, plan)
-            if spec_error is not None:
-                raise spec_error
-            got = checksum(meta.tensors, crcs)
-            if got != meta.checksum:
+            refusal, accepted = self._receive_into_buffer(meta, layout, seq, plan, spec_error, stats, t0)
+            if refusal is not None:
+                raise refusal
+            if accepted < len(plan["members"]):
                 raise WeightSyncError(
-                    f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
+                    f"v{meta.version} refused by {len(plan['members']) - accepted} other receiver(s) of the group; "
                     f"keeping the old weights"
                 )
         except WeightSyncError as e:
@@ -539,12 +561,20 @@ class DistWeightReceiver(WeightReceiver):
         return json.loads(ctl.get(key).decode())
 
     def _receive_into_buffer(
-        self, meta: WeightUpdateMeta, layout: FlatLayout, seq: int, plan: dict[str, Any]
-    ) -> list[int]:
-        """Receive every byte into the preallocated buffer; return per-tensor crcs.
+        self,
+        meta: WeightUpdateMeta,
+        layout: FlatLayout,
+        seq: int,
+        plan: dict[str, Any],
+        spec_error: WeightSyncError | None,
+        stats: TransferStats,
+        t0: float,
+    ) -> tuple[WeightSyncError | None, int]:
+        """Receive every byte into the preallocated buffer, verify, vote.
 
-        Any failure here leaves the group unusable: abort it and flag its generation
-        broken, so the sender starts a new one for the next version.
+        Returns this receiver's own refusal (spec or checksum), if any, and how many
+        members accepted. A failure of the collectives leaves the group unusable:
+        abort it and flag its generation broken, so the sender starts a new one.
         """
         assert self._ctl is not None
         generation = plan["generation"]
@@ -562,10 +592,20 @@ class DistWeightReceiver(WeightReceiver):
                     self.timeout_s,
                 )
                 self._generation = generation
+            stats.rendezvous_s = time.perf_counter() - t0
             if layout != self._layout or self._flat is None:
                 self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
                 self._layout = layout
-            return self._receive_buckets(meta, layout, seq, generation)
+            crcs = self._receive_buckets(meta, layout, seq, generation)
+            refusal = spec_error
+            got = checksum(meta.tensors, crcs)
+            if refusal is None and got != meta.checksum:
+                refusal = WeightSyncError(
+                    f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
+                    f"keeping the old weights"
+                )
+            accepted = _commit(self._group, int(refusal is None), self.device, self.timeout_s)
+            return refusal, accepted
         except Exception:
             self._ctl.add(f"gen{generation}/broken", 1)
             self._drop_group()
