@@ -33,7 +33,13 @@ from areal_like.types import GenerateResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerateServer", "NoServerAvailableError", "ServerManager", "default_failure_exceptions"]
+__all__ = [
+    "GenerateServer",
+    "NoServerAvailableError",
+    "RayServer",
+    "ServerManager",
+    "default_failure_exceptions",
+]
 
 
 class GenerateServer(Protocol):
@@ -54,6 +60,25 @@ def default_failure_exceptions() -> tuple[type[BaseException], ...]:
     if ray_exceptions is not None:
         errors += (ray_exceptions.RayError,)
     return errors
+
+
+class RayServer:
+    """A Ray actor handle of a `RolloutServer` seen as a plain async server.
+
+    `handle.generate.remote(...)` returns an awaitable `ObjectRef`; a dead actor
+    raises a `RayActorError`, which the manager treats as a server failure.
+    """
+
+    def __init__(self, handle: Any, name: str | None = None) -> None:
+        self.handle = handle
+        self.name = name
+
+    async def generate(
+        self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
+    ) -> GenerateResult:
+        return await self.handle.generate.remote(
+            request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+        )
 
 
 @dataclass

@@ -10,7 +10,7 @@ import pytest
 from areal_like.config import AgentConfig
 from areal_like.types import SamplingParams
 from rollout_cluster.agent_loop import ToolAgentLoop
-from rollout_cluster.server_manager import NoServerAvailableError, ServerManager
+from rollout_cluster.server_manager import NoServerAvailableError, RayServer, ServerManager
 from rollout_cluster.tools import CalculatorTool
 
 from ._agent_fakes import FakeServer, call_text
@@ -138,3 +138,20 @@ def test_add_and_remove_servers_move_sessions(tokenizer: Any) -> None:
         manager.add_server(b)
     with pytest.raises(KeyError):
         manager.remove_server("nope")
+
+
+def test_ray_actor_adapter_awaits_remote_calls(tokenizer: Any) -> None:
+    """A stand-in for an actor handle: `.generate.remote(**kw)` returns an awaitable."""
+    inner = servers(tokenizer, 1)[0]
+
+    class _Method:
+        def remote(self, **kw: Any) -> Any:
+            return asyncio.ensure_future(inner.generate(**kw))
+
+    class _Handle:
+        generate = _Method()
+
+    manager = ServerManager([RayServer(_Handle(), name="actor-0")])
+    result = asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
+    assert result.token_ids == tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert manager.server_names == ["actor-0"] and inner.calls[0][0] == "r"
