@@ -7,13 +7,13 @@ objects) dominates a small model on CPU. So this engine runs the decoder itself
 (Qwen2 / Qwen3 / Llama / Mistral layer math, numerically the HF computation) over
 the HF module's own parameters, which keeps weight loading a plain copy by HF name.
 
-KV cache: one preallocated tensor `[layers, slots, kv_heads, max_seq_len + 1, head_dim]`
+KV cache: one preallocated tensor `[layers, slots, kv_heads, max_seq_len, head_dim]`
 (keys and values each). A running sequence owns one slot; running sequences always
 occupy slots `0..B-1`, so a decode step reads a plain slice; when one finishes the
-last one moves into its hole (one copy). Column `max_seq_len` is a scratch column
-that padded prefill positions write into. A step: retire nothing yet, decode every
-running sequence (one token each), retire finished ones, admit waiting ones within a
-padded-token budget, prefill them in one batch (sampling their first token), retire.
+last one moves into its hole (one copy). Prefill keeps tokens packed (no padding)
+except inside attention. A step: decode every running sequence (one token each),
+retire finished ones, admit waiting ones within a padded-token budget, prefill them
+in one batch (sampling their first token), retire.
 
 Prefix cache: `(version, token ids) -> KV (+ last-position logits)`, LRU bounded in
 tokens. Entries are written for every prefilled prompt and every finished sequence
@@ -231,14 +231,13 @@ class EmbeddedEngine(Engine):
         self._layers: list[_Layer] = []
         self._pack()
         with torch.inference_mode():
-            positions = torch.arange(self.max_seq_len + 1, device=self.device)[None]
+            positions = torch.arange(self.max_seq_len, device=self.device)[None]
             probe = torch.zeros(1, device=self.device, dtype=dtype)
             cos, sin = self._model.model.rotary_emb(probe, positions)
-        self._cos, self._sin = cos[0], sin[0]  # [max_seq_len + 1, head_dim]
-        shape = (len(self._layers), self.max_slots, self._n_kv, self.max_seq_len + 1, self._head_dim)
+        self._cos, self._sin = cos[0], sin[0]  # [max_seq_len, head_dim]
+        shape = (len(self._layers), self.max_slots, self._n_kv, self.max_seq_len, self._head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._scratch = self.max_seq_len
         self._version = 0
         self._paused = False
         self._admission_closed = False
@@ -439,7 +438,8 @@ class EmbeddedEngine(Engine):
                 for s in inflight:
                     s.num_computed = 0  # the KV of its slot is now garbage
                 self._running = []
-                self._waiting.extendleft(reversed(inflight))
+                # Shortest first: re-prefill batches of similar lengths pad attention least.
+                self._waiting.extendleft(sorted(inflight, key=lambda s: len(s.ids), reverse=True))
             self.load_weights(named_tensors, version)
             if self.interrupt_mode == "recompute" and inflight:
                 outs += self._reprefill(inflight)
@@ -538,69 +538,83 @@ class EmbeddedEngine(Engine):
 
     # ---- model execution ------------------------------------------------------------
 
-    def _forward(
-        self, slot0: int, tokens: torch.Tensor, starts: list[int], qlens: list[int] | None
-    ) -> torch.Tensor:
-        """Run `tokens [N, Q]` for slots `slot0..slot0+N-1` starting at positions `starts`.
+    def _forward(self, slot0: int, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run token chunks for slots `slot0..slot0+N-1`, chunk i starting at position `starts[i]`.
 
-        Writes their K/V into the cache and returns last-real-position logits [N, V].
-        `qlens` (real tokens per row) is None when every row is full (decode).
+        Writes their K/V into the cache and returns each chunk's last-position logits
+        [N, V]. Tokens stay packed ([M, hidden], no padding) through embeddings, norms,
+        projections and the MLP; only attention works on a padded [N, Q] grid. A decode
+        step is the case of N chunks of one token, where packed and padded coincide.
         """
-        n, q = tokens.shape
+        n = len(chunks)
         dev = self.device
+        qlens = [len(c) for c in chunks]
+        q = max(qlens)
+        total = max(st + ql for st, ql in zip(starts, qlens, strict=True))
+        decode = q == 1
+        tokens = torch.tensor([t for c in chunks for t in c], device=dev)  # [M]
         starts_t = torch.tensor(starts, device=dev)
-        ar_q = torch.arange(q, device=dev)
-        pos = starts_t[:, None] + ar_q  # [N, Q]
-        total = max(starts) + (q if qlens is None else max(qlens))
-        if qlens is None:
-            wpos = pos
-            last = None
+        if decode:
+            seq = torch.arange(n, device=dev)
+            pos = starts_t
+            grid_pos = pos[:, None]  # [N, 1]
+            grid = None
         else:
             qlens_t = torch.tensor(qlens, device=dev)
-            wpos = torch.where(ar_q[None, :] < qlens_t[:, None], pos, self._scratch)
-            pos = pos.clamp(max=self._scratch)
-            last = qlens_t - 1
-        cos = self._cos[pos].unsqueeze(1)  # [N, 1, Q, D]
+            seq = torch.repeat_interleave(torch.arange(n, device=dev), qlens_t)  # [M]
+            first = torch.cumsum(qlens_t, 0) - qlens_t
+            offs = torch.arange(tokens.numel(), device=dev) - first[seq]
+            pos = starts_t[seq] + offs  # [M]
+            grid = seq * q + offs  # where each packed token sits in the padded [N, Q] grid
+            grid_pos = starts_t[:, None] + torch.arange(q, device=dev)[None, :]  # padded rows see junk only
+        cos = self._cos[pos].unsqueeze(1)  # [M, 1, D]
         sin = self._sin[pos].unsqueeze(1)
-        keymask = torch.arange(total, device=dev)[None, None, :] <= pos[:, :, None]  # [N, Q, T]
+        keymask = torch.arange(total, device=dev)[None, None, :] <= grid_pos[:, :, None]  # [N, Q, T]
         bias = torch.zeros(keymask.shape, dtype=cos.dtype, device=dev).masked_fill_(~keymask, float("-inf"))
         bias = bias[:, None, None]  # [N, 1, 1, Q, T]
-        rows = torch.arange(slot0, slot0 + n, device=dev)[:, None]
+        rows = seq + slot0
         hq, hkv, d = self._n_heads, self._n_kv, self._head_dim
         rep = hq // hkv
-        h = F.embedding(tokens, self._embed)
+        m = tokens.numel()
+        h = F.embedding(tokens, self._embed)  # [M, hidden]
         for li, L in enumerate(self._layers):
             x = _rms(h, L.ln1, self._eps)
             qkv = F.linear(x, L.w_qkv, L.b_qkv)
             qs, ks, vs = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            qs = qs.view(n, q, hq, d).transpose(1, 2)
-            ks = ks.view(n, q, hkv, d).transpose(1, 2)
+            qs = qs.view(m, hq, d)
+            ks = ks.view(m, hkv, d)
             if L.q_norm is not None and L.k_norm is not None:
                 qs = _rms(qs, L.q_norm, self._eps)
                 ks = _rms(ks, L.k_norm, self._eps)
             qs = _rotate(qs, cos, sin)
             ks = _rotate(ks, cos, sin)
             kc, vc = self._k[li], self._v[li]
-            kc[rows, :, wpos] = ks.transpose(1, 2)
-            vc[rows, :, wpos] = vs.view(n, q, hkv, d)
+            kc[rows, :, pos] = ks
+            vc[rows, :, pos] = vs.view(m, hkv, d)
             keys = kc[slot0 : slot0 + n, :, :total]  # [N, Hkv, T, D]
             vals = vc[slot0 : slot0 + n, :, :total]
-            qg = qs.reshape(n, hkv, rep * q, d)
+            if grid is not None:
+                padded = qs.new_zeros(n * q, hq, d)
+                padded[grid] = qs
+                qs = padded
+            qg = qs.view(n, q, hq, d).transpose(1, 2).reshape(n, hkv, rep * q, d)
             scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self._scale)
             scores = scores.view(n, hkv, rep, q, total).add_(bias)
             probs = torch.softmax(scores, dim=-1).view(n, hkv, rep * q, total)
-            attn = torch.matmul(probs, vals).view(n, hq, q, d).transpose(1, 2).reshape(n, q, hq * d)
+            attn = torch.matmul(probs, vals).view(n, hq, q, d).transpose(1, 2).reshape(n * q, hq * d)
+            if grid is not None:
+                attn = attn[grid]
             h = h + F.linear(attn, L.w_o, L.b_o)
             x = _rms(h, L.ln2, self._eps)
             gate, up = F.linear(x, L.w_gu, L.b_gu).chunk(2, dim=-1)
             h = h + F.linear(self._act(gate) * up, L.w_down, L.b_down)
-        h = h[:, 0] if last is None else h[torch.arange(n, device=dev), last]
+        if not decode:
+            h = h[torch.cumsum(torch.tensor(qlens, device=dev), 0) - 1]
         return F.linear(_rms(h, self._norm, self._eps), self._lm_head)
 
     def _decode(self) -> list[RequestOutput]:
         running = self._running
-        tokens = torch.tensor([[s.ids[-1]] for s in running], device=self.device)
-        logits = self._forward(0, tokens, [s.num_computed for s in running], None)
+        logits = self._forward(0, [[s.ids[-1]] for s in running], [s.num_computed for s in running])
         for s in running:
             s.num_computed += 1
         return self._sample(running, logits)
@@ -643,13 +657,9 @@ class EmbeddedEngine(Engine):
                     self._v[:, slot[id(s)], :, :n] = entry.v[:, :, :n]
                     self.counters.prefix_cache_hit_tokens += n
                 starts.append(n)
-            qlens = [len(s.ids) - st for s, st in zip(compute, starts, strict=True)]
-            q = max(qlens)
-            tokens = torch.zeros(len(compute), q, dtype=torch.long)
-            for i, (s, st) in enumerate(zip(compute, starts, strict=True)):
-                tokens[i, : len(s.ids) - st] = torch.tensor(s.ids[st:])
-            logits = self._forward(base, tokens.to(self.device), starts, qlens)
-            self.counters.prefill_tokens += sum(qlens)
+            chunks = [s.ids[st:] for s, st in zip(compute, starts, strict=True)]
+            logits = self._forward(base, chunks, starts)
+            self.counters.prefill_tokens += sum(map(len, chunks))
             for i, s in enumerate(compute):
                 logits_of[id(s)] = logits[i]
                 if use_cache:

@@ -1,0 +1,185 @@
+"""Embedded engine vs HF `generate()` (batched) throughput, plus pause→resume latency.
+
+Workload: N concurrent requests (N in --concurrency), random prompts of 16-48 tokens,
+response lengths drawn from a long-tailed (Pareto) distribution and forced exactly
+(max_tokens = length, eos ignored), temperature 1. HF generate gets the same prompts
+left-padded in one batch and must run to the longest length (that is how it pads);
+both are credited only with the requested tokens. vLLM is measured too when it is
+installed. Progress goes to stderr (logging); the last stdout line is one JSON object.
+
+    python bench/engine.py [--model DIR] [--concurrency 1,8,32,128] [--max-len 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from areal_like.config import EmbeddedEngineConfig
+from areal_like.types import SamplingParams
+from rollout_cluster.engine.embedded import EmbeddedEngine
+
+logger = logging.getLogger("bench.engine")
+
+
+def workload(n: int, max_len: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(16, 48))] for _ in range(n)]
+    lengths = [max(1, min(max_len, int(rng.paretovariate(1.2) * max_len / 16))) for _ in range(n)]
+    if n >= 4:
+        lengths[0] = max_len  # the tail is always there: HF pads everyone to it
+    return prompts, lengths
+
+
+def run_embedded(engine: EmbeddedEngine, prompts: list[list[int]], lengths: list[int], tag: str) -> float:
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(f"{tag}-{i}", p, SamplingParams(temperature=1.0, max_tokens=n, seed=i))
+    t0 = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished():
+        produced += len(engine.step())
+    dt = time.perf_counter() - t0
+    assert produced == sum(lengths), (produced, sum(lengths))
+    return dt
+
+
+@torch.inference_mode()
+def run_hf(model: torch.nn.Module, prompts: list[list[int]], lengths: list[int], pad_id: int) -> float:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    longest = max(lengths)
+    t0 = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=longest,
+        min_new_tokens=longest,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        eos_token_id=None,
+        pad_token_id=pad_id,
+    )
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == width + longest
+    return dt
+
+
+def run_vllm(model_dir: str, prompts: list[list[int]], lengths: list[int]) -> float:
+    from areal_like.config import VLLMEngineConfig
+    from rollout_cluster.engine.vllm_engine import VLLMEngine
+
+    async def main() -> float:
+        engine = VLLMEngine(model_dir, VLLMEngineConfig(kv_cache_gb=1.0, max_model_len=512))
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(
+                engine.generate(
+                    request_id=f"v{i}", prompt_ids=p, sampling_params=SamplingParams(max_tokens=n, seed=i)
+                )
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            )
+        )
+        dt = time.perf_counter() - t0
+        await engine.close()
+        return dt
+
+    return asyncio.run(main())
+
+
+def pause_resume_latency(engine: EmbeddedEngine, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """32 requests decoding; one weight update half-way; the engine's own latency counter."""
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(f"pr-{i}", p, SamplingParams(temperature=1.0, max_tokens=n, seed=i))
+    for _ in range(max(2, min(lengths) // 2)):
+        engine.step()
+    weights = [(n, p.detach() + 0.01) for n, p in engine.model.named_parameters()]
+    before = engine.counters.recompute_tokens
+    engine.update_weights(weights, engine.version + 1)
+    latency = engine.counters.pause_resume_latency_s_last
+    recomputed = engine.counters.recompute_tokens - before
+    while engine.has_unfinished():
+        engine.step()
+    return {"pause_resume_latency_s": round(latency, 5), "recompute_tokens": recomputed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF model folder (default: the quickstart architecture, random init)")
+    ap.add_argument("--concurrency", default="1,8,32,128")
+    ap.add_argument("--max-len", type=int, default=400, help="longest response (the tail)")
+    ap.add_argument("--repeats", type=int, default=2, help="best of N timings per point")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.set_num_threads(args.threads)
+    tmp = None
+    if args.model is None:
+        from areal_like.tiny_model import init_model
+
+        tmp = tempfile.TemporaryDirectory()
+        args.model = str(init_model(Path(tmp.name) / "model", seed=args.seed))
+    from transformers import AutoModelForCausalLM
+
+    config = EmbeddedEngineConfig(max_seq_len=512)
+    engine = EmbeddedEngine(args.model, config, eos_token_ids=[], seed=args.seed)
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    pad = hf.config.pad_token_id or 0
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    levels = [int(c) for c in args.concurrency.split(",")]
+    points = []
+    for n in levels:
+        prompts, lengths = workload(n, args.max_len, engine.vocab_size, args.seed + n)
+        tokens = sum(lengths)
+        t_emb = min(run_embedded(engine, prompts, lengths, f"c{n}r{r}") for r in range(args.repeats))
+        t_hf = min(run_hf(hf, prompts, lengths, pad) for _ in range(args.repeats))
+        point = {
+            "concurrency": n,
+            "tokens": tokens,
+            "longest": max(lengths),
+            "embedded_tok_s": round(tokens / t_emb, 1),
+            "hf_generate_tok_s": round(tokens / t_hf, 1),
+            "speedup_vs_hf": round(t_hf / t_emb, 2),
+        }
+        if have_vllm:
+            point["vllm_tok_s"] = round(tokens / run_vllm(args.model, prompts, lengths), 1)
+        logger.info("%s", point)
+        points.append(point)
+    prompts, lengths = workload(32, args.max_len, engine.vocab_size, args.seed + 1000)
+    latency = pause_resume_latency(engine, prompts, lengths)
+    logger.info("pause/resume at 32 concurrent: %s", latency)
+    at32 = next((p["speedup_vs_hf"] for p in points if p["concurrency"] == 32), None)
+    result = {
+        "bench": "engine",
+        "model_params": sum(p.numel() for p in hf.parameters()),
+        "threads": args.threads,
+        "max_batch_size": config.max_batch_size,
+        "max_len": args.max_len,
+        "points": points,
+        "speedup_vs_hf_at_32": at32,
+        "vllm": "measured" if have_vllm else "not installed",
+        **latency,
+    }
+    sys.stdout.write(json.dumps(result) + "\n")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
