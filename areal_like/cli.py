@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from areal_like.config import ConfigError
+from areal_like.config import ConfigError, ExperimentConfig
 
 app = typer.Typer(
     help="areal_like: fully asynchronous, decoupled RL for language models.",
@@ -51,6 +51,112 @@ def sft(
         _fail(str(e))
     out = run_sft(cfg, force=force)
     typer.echo(f"SFT model at {out}")
+
+
+def _load(config: Path, set_: list[str]) -> ExperimentConfig:
+    from areal_like.config import load_config
+
+    try:
+        return load_config(config, set_)
+    except ConfigError as e:
+        _fail(str(e))
+    raise AssertionError("unreachable")
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., help="Experiment YAML (e.g. configs/quickstart.yaml)."),
+    set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
+    resume: bool = typer.Option(False, help="Continue the run in run.dir from its last checkpoint."),
+    overwrite: bool = typer.Option(False, help="Replace an existing run.dir."),
+) -> None:
+    """Run both clusters on this machine (embedded Ray, one placement group per pool)."""
+    from areal_like.launch import check_resources, resolve_model_path, run_both
+    from areal_like.run_dir import RunDirError
+
+    cfg = _load(config, set_)
+    try:
+        resolve_model_path(cfg)
+        check_resources(cfg)
+        summary = run_both(cfg, resume=resume, overwrite=overwrite, on_start=_print_start, on_step=_progress(cfg))
+    except (ConfigError, RunDirError) as e:
+        _fail(str(e))
+    typer.echo(f"done: {summary}")
+    typer.echo(f"run folder: {cfg.run.dir}  (areal-like report {cfg.run.dir})")
+
+
+@app.command()
+def rollout(
+    config: Path = typer.Argument(..., help="Experiment YAML; transport.* must name the trainer's addresses."),
+    set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
+    resume: bool = typer.Option(False, help="Accepted for symmetry: the trainer tells the rollout side where to resume."),
+) -> None:
+    """Run the rollout cluster only; it connects to the trainer's data/control addresses."""
+    from areal_like.launch import RolloutSide
+
+    cfg = _load(config, set_)
+    try:
+        out = RolloutSide(cfg).run()
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(f"rollout side stopped: {out}")
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(..., help="Experiment YAML; transport.* are the addresses to listen on."),
+    set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
+    resume: bool = typer.Option(False, help="Continue the run in run.dir from its last checkpoint."),
+    overwrite: bool = typer.Option(False, help="Replace an existing run.dir."),
+) -> None:
+    """Run the train cluster only; rollout clusters connect to its transport addresses."""
+    import os
+
+    import ray
+
+    from areal_like.launch import TrainerSide, ray_env
+    from areal_like.run_dir import RunDirError
+
+    cfg = _load(config, set_)
+    for k, v in ray_env().items():
+        os.environ.setdefault(k, v)
+    try:
+        ray.init(address=cfg.cluster.ray_address, include_dashboard=False) if cfg.cluster.ray_address else ray.init(
+            include_dashboard=False, runtime_env={"env_vars": ray_env()})
+        side = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=_progress(cfg))
+        _print_start(side)
+        try:
+            summary = side.run()
+        finally:
+            side.close()
+            ray.shutdown()
+    except (ConfigError, RunDirError) as e:
+        _fail(str(e))
+    typer.echo(f"done: {summary}")
+
+
+def _print_start(side: object) -> None:
+    data, control = side.addresses  # type: ignore[attr-defined]
+    typer.secho(f"trainer listening: data {data}  control {control}", fg=typer.colors.CYAN)
+    url = getattr(side, "dashboard_url", None)
+    if url:
+        typer.secho(f"dashboard: {url}", fg=typer.colors.GREEN, bold=True)
+
+
+def _progress(cfg: ExperimentConfig):  # noqa: ANN202 - a small closure
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    total = cfg.train.total_steps
+
+    def on_step(rec: dict) -> None:
+        console.print(
+            f"[bold]step {rec['step']}/{total}[/] reward {rec['reward_mean']:.3f} "
+            f"loss {rec.get('loss', float('nan')):.4f} lag≤{rec['max_version_lag']} "
+            f"buffer {rec['buffer_depth']} idle {rec['trainer_idle_ratio']:.2f}"
+        )
+
+    return on_step
 
 
 @app.command()

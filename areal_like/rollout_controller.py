@@ -56,6 +56,7 @@ class RolloutController:
         score: Score,
         send: Callable[[BaseModel], Awaitable[None]],
         apply_weights: Callable[[WeightUpdateMeta], Awaitable[int]],
+        join_weights: Callable[[VersionAnnouncement], Awaitable[None]] | None = None,
         metrics: Callable[[], dict[str, float]] = dict,
         eval_rows: list[dict[str, Any]] | None = None,
         eval_every: int = 0,
@@ -72,6 +73,7 @@ class RolloutController:
         self.score = score
         self.send = send
         self.apply_weights = apply_weights
+        self.join_weights = join_weights
         self.metrics = metrics
         self.eval_rows = eval_rows or []
         self.eval_every = eval_every
@@ -175,6 +177,8 @@ class RolloutController:
         """Admit nothing before the trainer has spoken: it may be resuming at a later
         version (whose weights must be loaded first) and a later data position."""
         ann = await self.announcements.get()
+        if self.join_weights is not None:
+            await self.join_weights(ann)
         if ann.data_position is not None:
             self.source.load_state_dict(ann.data_position)
             self._group_seq = int(ann.data_position.get("group_seq", self._group_seq))

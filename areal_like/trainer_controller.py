@@ -213,6 +213,7 @@ class TrainerController:
                 dropped=self.buffer.dropped_sent,
                 sent_base=self.sent_base,
                 weights=weights,
+                weight_store=getattr(self.weights, "store_addr", None),
                 data_position=data_position,
                 stop=self._stopping,
             )
@@ -241,8 +242,9 @@ class TrainerController:
             for k in ("running", "sent", "dropped", "consumed", "capacity"):
                 if f"gate_{k}" in msg.metrics:
                     self.m.gate.labels(state=k).set(msg.metrics[f"gate_{k}"])
-            self.mlog.write("rollout", self.trainer.version, loaded_version=msg.loaded_version,
-                            started=msg.started, running=msg.running, **msg.metrics)
+            fields = {**msg.metrics, "loaded_version": msg.loaded_version, "started": msg.started,
+                      "episodes_running": msg.running}
+            self.mlog.write("rollout", self.trainer.version, **fields)
         else:
             log.warning("unexpected message on the data channel: %s", type(msg).__name__)
 

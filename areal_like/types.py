@@ -244,6 +244,9 @@ class VersionAnnouncement(_Strict):
     """Samples the trainer side had received before this run was resumed: the rollout
     gate counts them as sent, so `accepted` is right across recovery."""
     weights: WeightUpdateMeta | None = None
+    weight_store: str | None = None
+    """host:port of the dist weight group's store: the rollout side registers there before
+    admitting anything, so it is a member from the first version on."""
     data_position: dict[str, int] | None = None
     """Where the rollout side's prompt stream resumes (set after `--resume`); applied once,
     before the first episode is admitted."""
