@@ -69,27 +69,51 @@ def build_engine(
     return AsyncEngine(EmbeddedEngine(model_path, config, interrupt_mode=interrupt_mode, seed=seed))
 
 
+def _maybe_tokenizer(model_path: Path) -> Any | None:
+    """The model folder's tokenizer, or None (token-id prompts still work) if it has none."""
+    from areal_like.tiny_model import load_tokenizer
+
+    if not any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        logger.warning("%s has no tokenizer; the HTTP API will accept token ids only", model_path)
+        return None
+    return load_tokenizer(model_path)
+
+
 class RolloutServer:
     """Hosts one engine: generate, weight updates, health, metrics, OpenAI HTTP API.
 
-    Build one with `RolloutServer.from_config(model_path, rollout_config.engine,
-    interrupt_mode=rollout_config.interrupt_mode)`, or around an engine you made.
-    The tokenizer is needed only for text prompts and chat over HTTP.
+    From config (also the Ray form: `ray.remote(RolloutServer).remote(path, engine_config=...)`):
+    `RolloutServer(model_path, engine_config=rollout_config.engine,
+    interrupt_mode=rollout_config.interrupt_mode, seed=run.seed)` builds the engine and
+    loads the tokenizer from the model folder. Or pass an engine you built (tests,
+    custom engines) and optionally a tokenizer, which HTTP text prompts and chat need.
     """
 
     def __init__(
         self,
-        engine: AsyncGenerateEngine,
+        engine: AsyncGenerateEngine | str | Path,
         tokenizer: Any | None = None,
         *,
-        model_name: str = "areal_like",
+        engine_config: EmbeddedEngineConfig | VLLMEngineConfig | None = None,
+        interrupt_mode: InterruptMode = "recompute",
+        seed: int = 0,
+        set_threads: bool = True,
+        model_name: str | None = None,
         max_sessions: int = 10000,
     ) -> None:
         from rollout_cluster.http_api import SessionTokens
 
-        self.engine = engine
+        if isinstance(engine, (str, Path)):
+            model_path = Path(engine)
+            engine = build_engine(
+                model_path, engine_config, interrupt_mode=interrupt_mode, seed=seed, set_threads=set_threads
+            )
+            if tokenizer is None:
+                tokenizer = _maybe_tokenizer(model_path)
+            model_name = model_name or model_path.name
+        self.engine: AsyncGenerateEngine = engine
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_name = model_name or "areal_like"
         self.sessions = SessionTokens(max_sessions)
         self.started_at = time.time()
         self.counters: dict[str, float] = {
@@ -108,23 +132,25 @@ class RolloutServer:
         *,
         interrupt_mode: InterruptMode = "recompute",
         seed: int = 0,
-        load_tokenizer: bool = True,
         set_threads: bool = True,
     ) -> RolloutServer:
-        engine = build_engine(
-            model_path, engine_config, interrupt_mode=interrupt_mode, seed=seed, set_threads=set_threads
+        """`RolloutServer(model_path, engine_config=...)`, with the config positional."""
+        return cls(
+            model_path,
+            engine_config=engine_config,
+            interrupt_mode=interrupt_mode,
+            seed=seed,
+            set_threads=set_threads,
         )
-        tokenizer = None
-        if load_tokenizer:
-            from areal_like.tiny_model import load_tokenizer as _load
-
-            tokenizer = _load(model_path)
-        return cls(engine, tokenizer, model_name=Path(model_path).name)
 
     # ---- generation -------------------------------------------------------------------
 
     @property
     def version(self) -> int:
+        return self.engine.version
+
+    def get_version(self) -> int:
+        """`version` as a method, for callers through a Ray actor handle."""
         return self.engine.version
 
     @property

@@ -392,6 +392,10 @@ class EmbeddedEngine(Engine):
         Tied embeddings stay tied: `lm_head.weight` and `model.embed_tokens.weight`
         are the same storage, whichever name arrives.
         """
+        self._apply(self._stage(named_tensors), version)
+
+    def _stage(self, named_tensors: NamedTensors) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Check names and shapes and copy the incoming tensors; raises before any change."""
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, tensor in named_tensors:
             dst = self._state.get(name)
@@ -402,6 +406,9 @@ class EmbeddedEngine(Engine):
                     f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
             staged.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype, copy=True)))
+        return staged
+
+    def _apply(self, staged: list[tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
         with torch.no_grad():
             for dst, src in staged:
                 dst.copy_(src)
@@ -424,6 +431,9 @@ class EmbeddedEngine(Engine):
         self._paused = True
         outs: list[RequestOutput] = []
         try:
+            # Receive and check everything first: a failed transfer leaves in-flight
+            # requests untouched, on the old weights and version.
+            staged = self._stage(named_tensors)
             if self.interrupt_mode == "wait":
                 outs += self._drain()
             inflight = list(self._running)
@@ -440,7 +450,7 @@ class EmbeddedEngine(Engine):
                 self._running = []
                 # Shortest first: re-prefill batches of similar lengths pad attention least.
                 self._waiting.extendleft(sorted(inflight, key=lambda s: len(s.ids), reverse=True))
-            self.load_weights(named_tensors, version)
+            self._apply(staged, version)
             if self.interrupt_mode == "recompute" and inflight:
                 outs += self._reprefill(inflight)
         finally:

@@ -300,3 +300,20 @@ def test_wait_mode_never_mixes_versions(tiny_model_dir, versions):
     for rid, r in done.items():
         assert max_logprob_error(models, prompts[rid], r, 1.0) < 1e-4
     assert engine.metrics()["interrupts"] == 0
+
+
+def test_failed_update_leaves_inflight_requests_on_the_old_version(tiny_model_dir, hf_model):
+    engine = make_engine(tiny_model_dir, eos_token_ids=[])
+    for i in range(4):
+        engine.add_request(f"r{i}", PROMPTS[i], SamplingParams(temperature=1.0, max_tokens=12, seed=i))
+    done: dict[str, GenerateResult] = {}
+    steps(engine, 4, done)
+    bad = [*perturbed(hf_model, seed=5).items(), ("model.nope", torch.zeros(1))]
+    with pytest.raises(KeyError, match="unknown weight"):
+        engine.update_weights(bad, version=1)
+    done.update(run_all(engine))
+    assert engine.version == 0 and engine.metrics()["interrupts"] == 0
+    for i in range(4):
+        r = done[f"r{i}"]
+        assert r.versions == [0] * 12 and r.num_interrupts == 0
+        assert max_logprob_error({0: hf_model}, PROMPTS[i], r, 1.0) < 1e-4

@@ -20,7 +20,7 @@ CFG = EmbeddedEngineConfig(max_batch_size=8, max_seq_len=160)
 
 
 def make_server(model_dir) -> RolloutServer:
-    return RolloutServer.from_config(model_dir, CFG, set_threads=False)
+    return RolloutServer(model_dir, engine_config=CFG, set_threads=False)
 
 
 def test_in_process_generate_update_metrics_and_refusals(tiny_model_dir):
