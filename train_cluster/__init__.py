@@ -1,1 +1,56 @@
-"""train_cluster package."""
+"""train_cluster: the trainer side — decoupled PPO on torch (DDP/FSDP2) or Megatron-core.
+
+Public surface for the orchestrator:
+- `build_batch(trajectories, train_cfg.loss)` → `TrainBatch` (GRPO advantages per group);
+- `create_engine(model_path, train_cfg, dtype=..., seed=...)` → a `TrainEngine`
+  (or `TrainWorkerGroup` when the torch backend asks for several workers);
+- `engine.train_step(batch)` → stats dict (keys `STAT_KEYS`), `engine.version`,
+  `engine.named_weights()`, `engine.save(path, extra)`, `engine.load(path)` → extra.
+
+Heavy modules (transformers, Ray, megatron-core) are imported only when used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from train_cluster.batch import TrainBatch, build_batch, pack_sequences, shard_batch, split_mini_batches
+from train_cluster.engine import STAT_KEYS, TrainEngine
+from train_cluster.losses import aggregate, decoupled_ppo_loss, group_advantages, kl_k3
+
+__all__ = [
+    "STAT_KEYS",
+    "TrainBatch",
+    "TrainEngine",
+    "aggregate",
+    "build_batch",
+    "create_engine",
+    "decoupled_ppo_loss",
+    "group_advantages",
+    "kl_k3",
+    "pack_sequences",
+    "shard_batch",
+    "split_mini_batches",
+]
+
+
+def create_engine(model_path: str | Path, train_cfg: Any, *, dtype: str = "float32", seed: int = 0,
+                  placement_group: Any = None) -> Any:
+    """The trainer `train_cfg.backend` asks for, with the same five calls whichever it is.
+
+    torch, 1 worker: a `TorchTrainEngine` in this process. torch, N > 1 workers: a
+    `TrainWorkerGroup` of Ray actors (call `ray.init` first). megatron: a
+    `MegatronTrainEngine` in this process (launching its TP×DP ranks is the caller's job).
+    """
+    if train_cfg.backend.type == "megatron":
+        from train_cluster.megatron.engine import MegatronTrainEngine
+
+        return MegatronTrainEngine(model_path, train_cfg, dtype=dtype, seed=seed)
+    if train_cfg.backend.world_size > 1:
+        from train_cluster.worker_group import TrainWorkerGroup
+
+        return TrainWorkerGroup(model_path, train_cfg, dtype=dtype, seed=seed, placement_group=placement_group)
+    from train_cluster.torch_engine import TorchTrainEngine
+
+    return TorchTrainEngine(model_path, train_cfg, dtype=dtype, seed=seed)

@@ -120,3 +120,10 @@ def test_startup_errors(tiny_model_dir) -> None:
         TorchTrainEngine(tiny_model_dir, TrainConfig(), dtype="float16")
     with pytest.raises(ValueError, match="backend.type=torch"):
         TorchTrainEngine(tiny_model_dir, TrainConfig(backend=MegatronBackendConfig(device="cpu")))
+
+
+def test_create_engine_picks_the_backend(tiny_model_dir) -> None:
+    from train_cluster import create_engine
+
+    engine = create_engine(tiny_model_dir, TrainConfig())
+    assert isinstance(engine, TorchTrainEngine) and engine.version == 0
