@@ -64,7 +64,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: deque[tuple[str, tuple[Any, ...], _Future | None]] = deque()
         self._waiters: dict[str, _Future] = {}
-        self._engine_lock = threading.Lock()
+        self._snapshot: dict[str, float] = engine.metrics()
+        self._updating = False
         self._paused = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -165,10 +166,14 @@ class AsyncEngine:
         return await self._submit("call", (fn,))
 
     def metrics(self) -> dict[str, float]:
-        """Engine counters and gauges; consistent (taken between steps)."""
-        with self._engine_lock:
-            m = self.engine.metrics()
+        """Engine counters and gauges as of the last step boundary.
+
+        A snapshot the engine thread refreshes between steps, so reading it never
+        blocks the caller's event loop, not even during a long `wait`-mode update.
+        """
+        m = dict(self._snapshot)
         m["inflight_calls"] = float(len(self._waiters))
+        m["updating_weights"] = float(self._updating)
         return m
 
     async def close(self) -> None:
@@ -214,35 +219,39 @@ class AsyncEngine:
             if self._paused or not self.engine.has_unfinished():
                 continue
             try:
-                with self._engine_lock:
-                    outs = self.engine.step()
+                outs = self.engine.step()
             except Exception as e:  # a broken step must not hang every caller
                 logger.exception("engine step failed; failing all in-flight requests")
                 self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                 continue
+            self._snapshot = self.engine.metrics()
             self._deliver(outs)
 
     def _handle(self, kind: str, args: tuple[Any, ...], reply: _Future | None) -> None:
         value: Any = None
         error: BaseException | None = None
         try:
-            with self._engine_lock:
-                if kind == "add":
-                    self.engine.add_request(*args)
-                elif kind == "update":
+            if kind == "add":
+                self.engine.add_request(*args)
+            elif kind == "update":
+                self._updating = True
+                try:
                     self._deliver(self.engine.update_weights(*args))
-                elif kind == "abort":
-                    value = self.engine.abort(args[0])
-                    for res in value:
-                        self._finish(res.request_id, res, None)
-                elif kind == "pause":
-                    self._paused = True
-                elif kind == "resume":
-                    self._paused = False
-                elif kind == "call":
-                    value = args[0](self.engine)
-                else:
-                    raise ValueError(f"unknown engine command {kind!r}")
+                finally:
+                    self._updating = False
+            elif kind == "abort":
+                value = self.engine.abort(args[0])
+                for res in value:
+                    self._finish(res.request_id, res, None)
+            elif kind == "pause":
+                self._paused = True
+            elif kind == "resume":
+                self._paused = False
+            elif kind == "call":
+                value = args[0](self.engine)
+            else:
+                raise ValueError(f"unknown engine command {kind!r}")
+            self._snapshot = self.engine.metrics()
         except Exception as e:
             if kind == "add":
                 self._finish(args[0], None, e)
@@ -274,8 +283,7 @@ class AsyncEngine:
             ids = list(self._waiters)
         if ids and not isinstance(error, EngineClosedError):
             try:
-                with self._engine_lock:
-                    self.engine.abort(ids)
+                self.engine.abort(ids)
             except Exception:
                 logger.exception("abort after a failed step also failed")
         for rid in ids:
