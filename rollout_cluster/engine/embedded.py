@@ -246,7 +246,10 @@ class EmbeddedEngine(Engine):
         self._by_id: dict[str, _Seq] = {}
         self._rng = random.Random(seed)
         self._prefix = _PrefixCache(
-            prefix_cache_max_tokens if prefix_cache_max_tokens is not None else 8 * self.max_seq_len
+            # Default: half the slot cache again, enough for every running episode's last turn.
+            prefix_cache_max_tokens
+            if prefix_cache_max_tokens is not None
+            else self.max_slots * self.max_seq_len // 2
         )
         self.counters = EngineCounters()
 
