@@ -8,7 +8,7 @@ from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, Weight
 from weight_sync.disk import DiskWeightReceiver, DiskWeightSender
 from weight_sync.dist import DistWeightReceiver, DistWeightSender
 from weight_sync.factory import make_receiver, make_sender
-from weight_sync.meta import NotAMemberError, WeightSyncError, checksum, spec_of, tensor_crc
+from weight_sync.meta import NotAMemberError, WeightSyncError, checksum, spec_of, tensor_digest
 
 __all__ = [
     "WeightSender",
@@ -25,5 +25,5 @@ __all__ = [
     "NotAMemberError",
     "spec_of",
     "checksum",
-    "tensor_crc",
+    "tensor_digest",
 ]

@@ -31,7 +31,7 @@ from areal_like import wire
 from areal_like.config import WeightSyncConfig
 from areal_like.types import TensorMeta, WeightUpdateMeta
 from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, WeightSender
-from weight_sync.meta import WeightSyncError, check_spec, checksum, spec_of, tensor_crc
+from weight_sync.meta import WeightSyncError, check_spec, checksum, spec_of, tensor_digest
 
 __all__ = ["DiskWeightSender", "DiskWeightReceiver", "MARKER", "WEIGHTS_FILE"]
 
@@ -107,7 +107,7 @@ class DiskWeightSender(WeightSender):
             version=version,
             transport="disk",
             tensors=metas,
-            checksum=checksum(metas, [tensor_crc(t) for t in tensors.values()]),
+            checksum=checksum(metas, [tensor_digest(t) for t in tensors.values()]),
             path=str(folder),
         )
         if folder.exists():  # the same version again (a resumed trainer): replace it whole
@@ -211,15 +211,15 @@ class DiskWeightReceiver(WeightReceiver):
         names = [m.name for m in meta.tensors]
         if sorted(tensors) != sorted(names):
             raise WeightSyncError(f"{folder} does not hold the tensors its meta names")
-        crcs = []
+        digests = []
         for m in meta.tensors:
             t = tensors[m.name]
             if str(t.dtype).removeprefix("torch.") != m.dtype or list(t.shape) != m.shape:
                 raise WeightSyncError(
                     f"{m.name!r} on disk is {t.dtype}{list(t.shape)}, meta says {m.dtype}{m.shape}"
                 )
-            crcs.append(tensor_crc(t))
-        got = checksum(meta.tensors, crcs)
+            digests.append(tensor_digest(t))
+        got = checksum(meta.tensors, digests)
         if got != meta.checksum:
             raise WeightSyncError(
                 f"checksum mismatch for v{meta.version} in {folder}: got {got[:12]}, expected {meta.checksum[:12]}"

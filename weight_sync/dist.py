@@ -219,17 +219,17 @@ class DistWeightSender(WeightSender):
         if layout != self._layout or self._staging is None:
             self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
             self._layout = layout
-        crcs = []
+        digests = []
         for slot, (_, t) in zip(layout.slots, items, strict=True):
             layout.view(self._staging, slot).copy_(t)
-            crcs.append(layout.slot_crc(self._staging, slot))
+            digests.append(layout.slot_digest(self._staging, slot))
         del items
         self._seq += 1
         meta = WeightUpdateMeta(
             version=version,
             transport="dist",
             tensors=metas,
-            checksum=checksum(metas, crcs),
+            checksum=checksum(metas, digests),
             bucket_bytes=self.bucket_bytes,
             path=f"tcp://{self.store_addr}/{self._nonce}/{self._seq}",
         )
@@ -596,9 +596,9 @@ class DistWeightReceiver(WeightReceiver):
             if layout != self._layout or self._flat is None:
                 self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
                 self._layout = layout
-            crcs = self._receive_buckets(meta, layout, seq, generation)
+            digests = self._receive_buckets(meta, layout, seq, generation)
             refusal = spec_error
-            got = checksum(meta.tensors, crcs)
+            got = checksum(meta.tensors, digests)
             if refusal is None and got != meta.checksum:
                 refusal = WeightSyncError(
                     f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
@@ -621,15 +621,15 @@ class DistWeightReceiver(WeightReceiver):
         want = _header(seq, meta.version, generation, layout.total_bytes, len(meta.tensors))
         if header.tolist() != want:
             raise WeightSyncError(f"weight stream header {header.tolist()} does not match the meta {want}")
-        crcs: list[int] = []
+        digests: list[int] = []
         slots = layout.slots
         in_flight: deque[tuple[Any, int]] = deque()
 
         def finish_oldest() -> None:
             work, end = in_flight.popleft()
             work.wait(timeout)
-            while len(crcs) < len(slots) and slots[len(crcs)].end <= end:
-                crcs.append(layout.slot_crc(self._flat, slots[len(crcs)]))
+            while len(digests) < len(slots) and slots[len(digests)].end <= end:
+                digests.append(layout.slot_digest(self._flat, slots[len(digests)]))
 
         for start, end in layout.buckets(meta.bucket_bytes or layout.total_bytes or 1):
             in_flight.append((self._group.broadcast(self._flat[start:end], 0, timeout), end))
@@ -637,9 +637,9 @@ class DistWeightReceiver(WeightReceiver):
                 finish_oldest()
         while in_flight:
             finish_oldest()
-        while len(crcs) < len(slots):  # zero-byte tensors at the very end
-            crcs.append(layout.slot_crc(self._flat, slots[len(crcs)]))
-        return crcs
+        while len(digests) < len(slots):  # zero-byte tensors at the very end
+            digests.append(layout.slot_digest(self._flat, slots[len(digests)]))
+        return digests
 
     def _iterate(self, layout: FlatLayout) -> Iterator[tuple[str, torch.Tensor]]:
         flat = self._flat

@@ -9,20 +9,28 @@ message.
 The checksum is defined over tensors, not over any transport's framing, so a
 version has the same checksum whether it travelled by broadcast or by disk:
 
-    sha256("areal_like.weight_sync/1\\n" + for each tensor in order:
-           "{name}\\t{dtype}\\t{shape}\\t{crc32 of its raw bytes:08x}\\n")
+    sha256("areal_like.weight_sync/2\n" + for each tensor in order:
+           "{name}\t{dtype}\t{shape}\t{tensor_digest hex}\n")
 
-crc32 (zlib, ~6 GB/s on one core, GIL released) over *raw bytes* makes bf16 and
-every other dtype work the same way and keeps verification far cheaper than the
-transfer; sha256 over the per-tensor lines binds names, dtypes, shapes and order.
-It guards against partial, stale, misaligned or corrupted transfers, not against an
-adversary (the weight group is a trusted, internal channel).
+`tensor_digest` reads the tensor's *raw bytes* (so bf16 and every other dtype work
+the same way) as int64 words in 64 KiB chunks of 128-byte rows and sums each of the 16
+word lanes per chunk (wrapping mod 2**64, so the result does not depend on summation
+order); blake2b over the byte count and those sums is the digest. A sum is one
+vectorised, memory-bound pass: ~20 GB/s on one core here, where zlib's crc32 does
+3-6 GB/s and sha256 ~1 GB/s. That matters: on loopback the transfer is itself a
+CPU-bound copy at ~3 GB/s, and a crc32 on the receiver halved the throughput. On GPU the
+sums run on the device and only 1/512 of the bytes (the sums) go to the host.
+
+What it detects: any changed word (a bit flip), truncated, shifted, misplaced or
+swapped chunks, data of another version, names/dtypes/shapes/order. What it does not:
+two changes in the same lane of one chunk that cancel exactly. It guards a trusted
+internal channel whose failure modes are partial, stale or misaligned transfers; it
+is not an authenticity check.
 """
 
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,14 +45,17 @@ __all__ = [
     "dtype_name",
     "torch_dtype",
     "spec_of",
-    "tensor_crc",
+    "tensor_digest",
     "checksum",
     "check_spec",
     "Slot",
     "FlatLayout",
 ]
 
-_CHECKSUM_TAG = b"areal_like.weight_sync/1\n"
+_CHECKSUM_TAG = b"areal_like.weight_sync/2\n"
+_CHUNK = 64 * 1024
+_LANES = 16
+_ROW = _LANES * 8
 _ALIGN = 64
 """Byte alignment of every tensor in a flat buffer: a multiple of every itemsize, so a
 uint8 slice can be viewed as any dtype, and a cache line, so copies stay fast."""
@@ -93,26 +104,44 @@ def spec_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMet
     return [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named_tensors]
 
 
-def tensor_crc(t: torch.Tensor) -> int:
-    """crc32 of a tensor's raw bytes in row-major order (any dtype, bf16 included)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        # Hashing needs host memory; on GPU this costs one device-to-host copy per tensor.
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1)
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in row-major order as an 8-byte-aligned 1-D uint8 tensor (no copy if possible)."""
+    flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
-        return zlib.crc32(b"")
-    return zlib.crc32(flat.view(torch.uint8).numpy())
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    raw = flat.view(torch.uint8)
+    return raw if raw.data_ptr() % 8 == 0 else raw.clone()
 
 
-def checksum(metas: Sequence[TensorMeta], crcs: Sequence[int]) -> str:
-    """Hex digest binding names, dtypes, shapes, order and per-tensor crc32 (module docstring)."""
-    if len(metas) != len(crcs):
-        raise ValueError(f"{len(metas)} tensors but {len(crcs)} crcs")
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """16-byte digest of a tensor's raw bytes: lane sums per 64 KiB chunk (module docstring)."""
+    raw = _raw_bytes(t)
+    n = raw.numel()
+    parts: list[torch.Tensor] = []
+    chunks_end = n - n % _CHUNK
+    rows_end = n - n % _ROW
+    if chunks_end:
+        parts.append(raw[:chunks_end].view(torch.int64).view(-1, _CHUNK // _ROW, _LANES).sum(dim=1))
+    if rows_end > chunks_end:
+        parts.append(raw[chunks_end:rows_end].view(torch.int64).view(-1, _LANES).sum(dim=0, keepdim=True))
+    if n > rows_end:
+        row = torch.zeros(_ROW, dtype=torch.uint8, device=raw.device)
+        row[: n - rows_end] = raw[rows_end:]
+        parts.append(row.view(torch.int64).view(1, _LANES))
+    h = hashlib.blake2b(n.to_bytes(8, "little"), digest_size=16)
+    if parts:
+        h.update(torch.cat(parts).cpu().numpy().tobytes())
+    return h.digest()
+
+
+def checksum(metas: Sequence[TensorMeta], digests: Sequence[bytes]) -> str:
+    """Hex digest binding names, dtypes, shapes, order and per-tensor digests (module docstring)."""
+    if len(metas) != len(digests):
+        raise ValueError(f"{len(metas)} tensors but {len(digests)} digests")
     h = hashlib.sha256(_CHECKSUM_TAG)
-    for m, crc in zip(metas, crcs, strict=True):
+    for m, digest in zip(metas, digests, strict=True):
         shape = ",".join(str(d) for d in m.shape)
-        h.update(f"{m.name}\t{m.dtype}\t{shape}\t{crc:08x}\n".encode())
+        h.update(f"{m.name}\t{m.dtype}\t{shape}\t{digest.hex()}\n".encode())
     return h.hexdigest()
 
 
@@ -199,6 +228,6 @@ class FlatLayout:
             return torch.empty(slot.shape, dtype=slot.dtype, device=flat.device)
         return flat[slot.offset : slot.end].view(slot.dtype).view(slot.shape)
 
-    def slot_crc(self, flat: torch.Tensor, slot: Slot) -> int:
-        """crc32 of one slot's bytes, read straight from the flat buffer."""
-        return tensor_crc(flat[slot.offset : slot.end])
+    def slot_digest(self, flat: torch.Tensor, slot: Slot) -> bytes:
+        """`tensor_digest` of one slot, read straight from the flat buffer."""
+        return tensor_digest(flat[slot.offset : slot.end])

@@ -13,7 +13,7 @@ from weight_sync.meta import (
     check_spec,
     checksum,
     spec_of,
-    tensor_crc,
+    tensor_digest,
 )
 
 
@@ -29,7 +29,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    return checksum(spec_of(tensors.items()), [tensor_crc(t) for t in tensors.values()])
+    return checksum(spec_of(tensors.items()), [tensor_digest(t) for t in tensors.values()])
 
 
 def test_meta_round_trips_through_the_wire_codec() -> None:
@@ -68,10 +68,41 @@ def test_checksum_sees_every_byte_name_shape_and_dtype() -> None:
     assert _checksum(reordered) != ref
 
 
-def test_crc_is_over_raw_bytes_for_noncontiguous_tensors() -> None:
+def test_digest_is_over_raw_bytes_for_noncontiguous_tensors() -> None:
     t = torch.randn(4, 6).to(torch.bfloat16)
-    assert tensor_crc(t.t()) == tensor_crc(t.t().contiguous())
-    assert tensor_crc(t) != tensor_crc(t.t().contiguous())
+    assert tensor_digest(t.t()) == tensor_digest(t.t().contiguous())
+    assert tensor_digest(t) != tensor_digest(t.t().contiguous())
+    odd = torch.randn(10).to(torch.bfloat16)[1:]  # storage offset of 2 bytes: not 8-aligned
+    assert tensor_digest(odd) == tensor_digest(odd.clone())
+
+
+@pytest.mark.parametrize("nbytes", [6, 128, 1000, 64 * 1024, 3 * 64 * 1024 + 200])
+def test_digest_detects_any_flipped_bit(nbytes: int) -> None:
+    """Every position class: inside a full chunk, a partial chunk's rows and the sub-row tail."""
+    g = torch.Generator().manual_seed(nbytes)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    ref = tensor_digest(raw)
+    for pos in sorted(
+        p for p in {0, 7, nbytes // 2, nbytes - 129, nbytes - 3, nbytes - 1} if 0 <= p < nbytes
+    ):
+        changed = raw.clone()
+        changed[pos] ^= 0x10
+        assert tensor_digest(changed) != ref, pos
+    assert tensor_digest(raw[:-1]) != ref  # truncated
+
+
+def test_digest_detects_swapped_and_shifted_chunks() -> None:
+    """A desynchronised stream moves whole buckets; the per-chunk sums see it."""
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (4 * 64 * 1024,), dtype=torch.uint8, generator=g)
+    ref = tensor_digest(raw)
+    swapped = torch.cat([raw[64 * 1024 : 128 * 1024], raw[: 64 * 1024], raw[128 * 1024 :]])
+    assert tensor_digest(swapped) != ref
+    shifted = torch.cat([raw[8:], raw[:8]])
+    assert tensor_digest(shifted) != ref
+    stale = raw.clone()
+    stale[64 * 1024 : 128 * 1024] = 0  # one bucket never arrived
+    assert tensor_digest(stale) != ref
 
 
 def test_spec_mismatch_is_refused_with_the_reason() -> None:
@@ -108,7 +139,7 @@ def test_layout_aligns_views_and_covers_the_buffer_with_buckets() -> None:
         view = layout.view(flat, slot)
         assert slot.name == name and view.dtype == t.dtype and view.shape == t.shape
         assert torch.equal(view, t)
-        assert layout.slot_crc(flat, slot) == tensor_crc(t)
+        assert layout.slot_digest(flat, slot) == tensor_digest(t)
     buckets = layout.buckets(100)
     assert buckets[0][0] == 0 and buckets[-1][1] == layout.total_bytes
     assert all(a[1] == b[0] for a, b in zip(buckets, buckets[1:], strict=False))
