@@ -20,9 +20,10 @@ What travels where:
   two in flight, so receivers checksum one bucket while the next arrives.
 - Last, a one-int allreduce: each receiver votes 1 if it verified the version. It
   doubles as a commit barrier: it succeeds only if every member received every byte,
-  so a version is either delivered to the whole group or to none of it (a receiver
-  dying mid-transfer makes every other receiver keep its old weights too), and it
-  tells the sender how many receivers accepted.
+  so a transfer either reaches the whole group or none of it (a receiver dying
+  mid-transfer makes every other receiver keep its old weights too), and it tells the
+  sender how many receivers accepted. A receiver's own refusal (its expected spec or
+  the checksum) stays local: the others activate the version.
 
 Membership is fixed per generation (DESIGN.md §9.15). The sender waits up to
 `timeout_s` for the receivers it knows to be ready; a known receiver that does not
@@ -199,6 +200,7 @@ class DistWeightSender(WeightSender):
         self._staging: torch.Tensor | None = None
         self._thread: threading.Thread | None = None
         self._last: TransferStats | None = None
+        self._closed = False
         log.info("weight group store listening on %s", self.store_addr)
 
     @property
@@ -210,6 +212,8 @@ class DistWeightSender(WeightSender):
         return self._generation
 
     def send(self, version: int, named_tensors: NamedTensors) -> WeightUpdateMeta:
+        if self._closed:
+            raise WeightSyncError("send on a closed weight sender")
         self._join_previous()
         items = [(name, t.detach()) for name, t in named_tensors]
         metas = spec_of(items)
@@ -427,10 +431,13 @@ class DistWeightSender(WeightSender):
             self._ctl.delete_key(key)
 
     def close(self) -> None:
+        """Finish the running transfer, drop the group and stop the store (receivers see it go)."""
         try:
             self._join_previous()
         finally:
             self._drop_group()
+            self._closed = True
+            self._ctl = self._store = None  # type: ignore[assignment]
 
 
 class DistWeightReceiver(WeightReceiver):
@@ -524,14 +531,9 @@ class DistWeightReceiver(WeightReceiver):
                     f"receiver {self.receiver_id!r} is not in weight group generation {plan['generation']} "
                     f"carrying v{meta.version}; re-registered for the next version"
                 )
-            refusal, accepted = self._receive_into_buffer(meta, layout, seq, plan, spec_error, stats, t0)
+            refusal = self._receive_into_buffer(meta, layout, seq, plan, spec_error, stats, t0)
             if refusal is not None:
                 raise refusal
-            if accepted < len(plan["members"]):
-                raise WeightSyncError(
-                    f"v{meta.version} refused by {len(plan['members']) - accepted} other receiver(s) of the group; "
-                    f"keeping the old weights"
-                )
         except WeightSyncError as e:
             stats.error = str(e)
             raise
@@ -569,12 +571,14 @@ class DistWeightReceiver(WeightReceiver):
         spec_error: WeightSyncError | None,
         stats: TransferStats,
         t0: float,
-    ) -> tuple[WeightSyncError | None, int]:
-        """Receive every byte into the preallocated buffer, verify, vote.
+    ) -> WeightSyncError | None:
+        """Receive every byte into the preallocated buffer, verify, vote; return this
+        receiver's own refusal (spec or checksum), if any.
 
-        Returns this receiver's own refusal (spec or checksum), if any, and how many
-        members accepted. A failure of the collectives leaves the group unusable:
-        abort it and flag its generation broken, so the sender starts a new one.
+        A refusal is local: the other members still activate the version (one
+        misconfigured engine must not freeze the fleet; the sender logs the count).
+        A failure of the collectives leaves the group unusable: abort it and flag its
+        generation broken, so the sender starts a new one.
         """
         assert self._ctl is not None
         generation = plan["generation"]
@@ -604,8 +608,8 @@ class DistWeightReceiver(WeightReceiver):
                     f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
                     f"keeping the old weights"
                 )
-            accepted = _commit(self._group, int(refusal is None), self.device, self.timeout_s)
-            return refusal, accepted
+            _commit(self._group, int(refusal is None), self.device, self.timeout_s)
+            return refusal
         except Exception:
             self._ctl.add(f"gen{generation}/broken", 1)
             self._drop_group()

@@ -2,8 +2,9 @@
 
 Each worker gets wire-encoded metas on its inbox (the orchestrator's role) and answers
 with the sha256 of every tensor it was handed, so the test checks bytes independently
-of the transport's own checksum. `die_at=(version, n)` kills the process (os._exit)
-instead of its n-th collective call of that version: a receiver dying mid-transfer.
+of the transport's own checksum. `fault=("exit" | "hang", version, n)` kills the
+process (os._exit) or stalls it for `hang_s` at its n-th collective call of that
+version: a receiver dying or hanging mid-transfer. `expected` is the engine's spec.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -28,11 +30,13 @@ class _DyingGroup:
         self._group, self._state = group, state
 
     def _tick(self) -> None:
-        die_version, die_call = self._state["die_at"]
-        if self._state["version"] == die_version:
+        kind, version, call = self._state["fault"]
+        if self._state["version"] == version:
             self._state["calls"] += 1
-            if self._state["calls"] == die_call:
+            if self._state["calls"] == call and kind == "exit":
                 os._exit(17)
+            if self._state["calls"] == call and kind == "hang":
+                time.sleep(self._state["hang_s"])
 
     def broadcast(self, *args: Any) -> Any:
         self._tick()
@@ -52,23 +56,25 @@ def receiver_main(
     inbox: Any,
     outbox: Any,
     timeout_s: float,
-    die_at: tuple[int, int] | None = None,
+    fault: tuple[str, int, int] | None = None,
+    expected: list[dict[str, Any]] | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[{receiver_id}] %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     from areal_like import wire
     from areal_like.config import WeightSyncConfig
-    from areal_like.types import WeightUpdateMeta
+    from areal_like.types import TensorMeta, WeightUpdateMeta
     from weight_sync import DistWeightReceiver, WeightSyncError
     from weight_sync import dist as dist_mod
 
-    state: dict[str, Any] = {"die_at": die_at, "version": None, "calls": 0}
-    if die_at is not None:
+    state: dict[str, Any] = {"fault": fault, "version": None, "calls": 0, "hang_s": 2 * timeout_s}
+    if fault is not None:
         make_group = dist_mod._make_group
         dist_mod._make_group = lambda *a, **k: _DyingGroup(make_group(*a, **k), state)  # type: ignore[assignment]
 
     cfg = WeightSyncConfig(type="dist", timeout_s=timeout_s, store_addr="127.0.0.1:0")
-    receiver = DistWeightReceiver(cfg, receiver_id)
+    spec = None if expected is None else [TensorMeta.model_validate(m) for m in expected]
+    receiver = DistWeightReceiver(cfg, receiver_id, expected=spec)
     if store_addr is not None:
         receiver.connect(store_addr)
     outbox.put({"id": receiver_id, "event": "started"})

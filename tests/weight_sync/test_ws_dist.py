@@ -39,9 +39,17 @@ class _Receivers:
         self.inboxes: dict[str, Any] = {}
         self.procs: dict[str, Any] = {}
 
-    def start(self, rid: str, *, connect: bool = True, die_at: tuple[int, int] | None = None) -> None:
+    def start(
+        self,
+        rid: str,
+        *,
+        connect: bool = True,
+        fault: tuple[str, int, int] | None = None,
+        expected: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.inboxes[rid] = self.ctx.Queue()
-        args = (rid, self.store_addr if connect else None, self.inboxes[rid], self.outbox, TIMEOUT_S, die_at)
+        addr = self.store_addr if connect else None
+        args = (rid, addr, self.inboxes[rid], self.outbox, TIMEOUT_S, fault, expected)
         self.procs[rid] = self.ctx.Process(target=receiver_main, args=args, daemon=True)
         self.procs[rid].start()
 
@@ -95,7 +103,7 @@ def test_group_delivers_exactly_survives_a_dead_receiver_and_rebuilds(model: dic
     receivers = _Receivers(sender.store_addr)
     try:
         receivers.start("A")
-        receivers.start("B", die_at=(3, 4))  # header, 2 buckets, then dies instead of the 3rd
+        receivers.start("B", fault=("exit", 3, 4))  # header, 2 buckets, then dies instead of the 3rd
         receivers.collect(["A", "B"], timeout=120)
         assert sorted(sender.wait_for_receivers(2, timeout=30)) == ["A", "B"]
 
@@ -152,6 +160,56 @@ def test_group_delivers_exactly_survives_a_dead_receiver_and_rebuilds(model: dic
             assert answer["version"] == 7 and answer["gen"] == 3 and answer["digests"] == _digests(tensors)
         stats = sender.wait()
         assert stats is not None and stats.ok and stats.receivers == ["A", "C"] and stats.accepted == 2
+    finally:
+        receivers.stop()
+        sender.close()
+
+
+@pytest.mark.slow
+def test_hung_receiver_times_out_and_a_local_refusal_stays_local(model: dict[str, torch.Tensor]) -> None:
+    """B stalls mid-transfer: everyone times out, and the same two rebuild a group. Then
+    B's engine expects another shape: B refuses, A activates, the group stays as it is."""
+    cfg = WeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
+    sender = DistWeightSender(cfg)
+    receivers = _Receivers(sender.store_addr)
+    name = next(iter(model))
+    spec = [
+        {
+            "name": n,
+            "dtype": "float32",
+            "shape": [*t.shape[:-1], t.shape[-1] + 1] if n == name else list(t.shape),
+        }
+        for n, t in model.items()
+    ]
+    try:
+        receivers.start("A")
+        receivers.start("B", fault=("hang", 1, 3), expected=spec)
+        receivers.collect(["A", "B"], timeout=120)
+        sender.wait_for_receivers(2, timeout=30)
+
+        t0 = time.monotonic()
+        meta = sender.send(1, model.items())
+        answers = receivers.publish(meta, ["A", "B"])
+        assert not answers["A"]["ok"] and answers["A"]["version"] is None
+        assert "Timed out" in answers["A"]["error"] or "closed" in answers["A"]["error"], answers["A"][
+            "error"
+        ]
+        assert not answers["B"]["ok"]
+        stats = sender.wait()
+        assert stats is not None and not stats.ok and stats.error
+        assert stats.seconds < 2 * TIMEOUT_S + 5 and time.monotonic() - t0 < 4 * TIMEOUT_S + 10
+
+        for version in (2, 3):
+            tensors = _version(model, version, torch.float32)
+            meta = sender.send(version, tensors.items())
+            answers = receivers.publish(meta, ["A", "B"])
+            assert answers["A"]["ok"] and answers["A"]["digests"] == _digests(tensors)
+            assert answers["A"]["gen"] == 2
+            assert not answers["B"]["ok"] and f"{name!r} is float32" in answers["B"]["error"]
+            assert answers["B"]["version"] is None
+            stats = sender.wait()
+            assert stats is not None and stats.accepted == 1 and stats.generation == 2
+            assert stats.error == "1 of 2 receivers refused the version"
     finally:
         receivers.stop()
         sender.close()
