@@ -1,0 +1,140 @@
+"""Dist transport with sender and receivers as threads of one process (fast, no spawn).
+
+Gloo groups work between threads as between processes; these tests pin behaviour
+that needs no process death: buffer reuse, leaving, a restarted engine, addresses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from areal_like.config import WeightSyncConfig
+from areal_like.types import WeightUpdateMeta
+from weight_sync import (
+    DiskWeightReceiver,
+    DiskWeightSender,
+    DistWeightReceiver,
+    DistWeightSender,
+    WeightSyncError,
+    make_receiver,
+    make_sender,
+)
+from weight_sync.dist import parse_address
+
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture
+def sender() -> Iterator[DistWeightSender]:
+    s = DistWeightSender(
+        WeightSyncConfig(type="dist", bucket_mb=0.01, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
+    )
+    yield s
+    s.close()
+
+
+def _receiver(rid: str) -> DistWeightReceiver:
+    return DistWeightReceiver(WeightSyncConfig(type="dist", timeout_s=TIMEOUT_S), rid)
+
+
+def _deliver(meta: WeightUpdateMeta, receivers: list[DistWeightReceiver]) -> dict[str, Any]:
+    """Each receiver receives on its own thread; returns {id: list of (name, tensor, data_ptr)} or the error."""
+    out: dict[str, Any] = {}
+
+    def run(r: DistWeightReceiver) -> None:
+        try:
+            _, named = r.receive(meta)
+            out[r.receiver_id] = [(n, t.clone(), t.data_ptr()) for n, t in named]
+        except WeightSyncError as e:
+            out[r.receiver_id] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in receivers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(6 * TIMEOUT_S)
+    return out
+
+
+def _tensors(k: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((300, 7), k, dtype=dtype), "b": torch.arange(5, dtype=dtype) * k}
+
+
+def test_buffers_are_reused_and_layout_changes_reallocate(sender: DistWeightSender) -> None:
+    r = _receiver("r0")
+    r.connect(sender.store_addr)
+    sender.wait_for_receivers(1)
+    ptrs = []
+    for version, dtype in [(1, torch.float32), (2, torch.float32), (3, torch.bfloat16)]:
+        tensors = _tensors(version, dtype)
+        got = _deliver(sender.send(version, tensors.items()), [r])["r0"]
+        assert [(n, t.dtype) for n, t, _ in got] == [(n, t.dtype) for n, t in tensors.items()]
+        assert all(torch.equal(t, tensors[n]) for n, t, _ in got)
+        ptrs.append([p for _, _, p in got])
+        stats = sender.wait()
+        assert stats is not None and stats.ok and stats.generation == 1
+    assert ptrs[0] == ptrs[1]  # same layout: received into the same memory, no allocation
+    assert ptrs[2] != ptrs[1]
+    r.close()
+
+
+def test_a_receiver_that_leaves_is_not_waited_for(sender: DistWeightSender) -> None:
+    a, b = _receiver("a"), _receiver("b")
+    for r in (a, b):
+        r.connect(sender.store_addr)
+    sender.wait_for_receivers(2)
+    assert all(
+        not isinstance(v, Exception) for v in _deliver(sender.send(1, _tensors(1).items()), [a, b]).values()
+    )
+    b.close()
+    t0 = time.monotonic()
+    got = _deliver(sender.send(2, _tensors(2).items()), [a])
+    stats = sender.wait()
+    assert not isinstance(got["a"], Exception)
+    assert stats is not None and stats.ok and stats.receivers == ["a"] and stats.generation == 2
+    assert time.monotonic() - t0 < TIMEOUT_S  # no wait for the one that left
+    a.close()
+
+
+def test_a_restarted_engine_with_the_same_id_gets_a_new_group(sender: DistWeightSender) -> None:
+    old = _receiver("engine-0")
+    old.connect(sender.store_addr)
+    sender.wait_for_receivers(1)
+    assert not isinstance(_deliver(sender.send(1, _tensors(1).items()), [old])["engine-0"], Exception)
+    new = _receiver("engine-0")  # the engine restarted; the old object is gone without a word
+    got = _deliver(sender.send(2, _tensors(2).items()), [new])
+    assert not isinstance(got["engine-0"], Exception), got
+    stats = sender.wait()
+    assert stats is not None and stats.ok and stats.generation == 2
+
+
+def test_meta_from_another_transport_or_address_is_refused(sender: DistWeightSender, tmp_path: Any) -> None:
+    disk_cfg = WeightSyncConfig(type="disk", disk_path=str(tmp_path))
+    disk_meta = DiskWeightSender(disk_cfg).send(1, _tensors(1).items())
+    with pytest.raises(WeightSyncError, match="dist receiver got a 'disk' meta"):
+        _receiver("x").receive(disk_meta)
+    dist_meta = sender.send(1, _tensors(1).items())
+    with pytest.raises(WeightSyncError, match="disk receiver got a 'dist' meta"):
+        DiskWeightReceiver(disk_cfg).receive(dist_meta)
+    with pytest.raises(WeightSyncError, match="bad dist transfer address"):
+        _receiver("x").receive(dist_meta.model_copy(update={"path": "tcp://127.0.0.1:1/x"}))
+    assert sender.wait() is not None  # nobody was registered: nothing to send, no error
+
+
+def test_factory_and_addresses(tmp_path: Any) -> None:
+    disk_cfg = WeightSyncConfig(type="disk", disk_path=str(tmp_path))
+    assert isinstance(make_sender(disk_cfg), DiskWeightSender)
+    assert isinstance(make_receiver(disk_cfg, "r"), DiskWeightReceiver)
+    assert isinstance(make_receiver(WeightSyncConfig(type="dist"), "r"), DistWeightReceiver)
+    assert parse_address("tcp://10.0.0.2:29500") == ("10.0.0.2", 29500)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(WeightSyncError, match="bad weight-group store address"):
+        parse_address("localhost")
+    with pytest.raises(ValueError, match="receiver_id"):
+        _receiver("a b")
