@@ -181,6 +181,7 @@ class DiskWeightReceiver(WeightReceiver):
             tensors = self._load_verified(meta)
         except WeightSyncError as e:
             self._last.error = str(e)
+            log.error("keeping the old weights: %s", e)
             raise
         self._last.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._last.seconds = time.perf_counter() - t0

@@ -536,9 +536,13 @@ class DistWeightReceiver(WeightReceiver):
                 raise refusal
         except WeightSyncError as e:
             stats.error = str(e)
+            log.error("receiver %s keeps its weights: %s", self.receiver_id, e)
             raise
         except Exception as e:  # store/socket errors of every kind become one clear error
             stats.error = f"{type(e).__name__}: {e}"
+            log.error(
+                "receiver %s keeps its weights: v%d not received: %s", self.receiver_id, meta.version, e
+            )
             raise WeightSyncError(f"weights v{meta.version} not received: {stats.error}") from e
         stats.ok = True
         stats.bytes = layout.total_bytes
