@@ -1,0 +1,417 @@
+"""The live dashboard: one page, one JSON endpoint, Prometheus `/metrics`, `/health`.
+
+Why it looks like this. The trainer side owns the run folder and every number that
+reaches it (DESIGN.md §9.6), so the dashboard reads exactly what `metrics.jsonl`
+gets — the `MetricsLog`'s in-memory `recent` records — plus the `MetricsRegistry`
+for `/metrics` and for the reward distribution (records carry only the step mean,
+the registry's `areal_like_reward` histogram sees every trained sample). It runs a
+standard-library `ThreadingHTTPServer` on a daemon thread: no event loop to share
+with the caller, nothing to install, and the caller never blocks. The page is plain
+HTML with a small hand-written SVG chart script shipped in the package
+(`areal_like/assets/dashboard/`); nothing is fetched at run time (DESIGN.md §9.22),
+which the page's Content-Security-Policy (`default-src 'self'`) also enforces.
+
+Security. The dashboard shows a run's internals and `/metrics`, so it refuses to
+bind beyond loopback without a token. With a token every route except `/health`
+and the static assets (package files, identical for every run, carrying no run
+data) needs `?token=<token>` or `Authorization: Bearer <token>`; anything else gets
+401. `/health` stays open so liveness probes need no secret. The page passes the
+token it was opened with (`/?token=...`) to `/api/data` as a bearer header.
+
+Routes:
+    GET /                    the page
+    GET /static/<file>       its script and stylesheet
+    GET /api/data?since=T    JSON below; series hold only points with time > T
+    GET /metrics             Prometheus text exposition of the registry
+    GET /health              {"ok": true}
+
+`/api/data` JSON (all times are UNIX seconds; a series is a list of `[time, value]`
+pairs in time order, only the points newer than `since`; the poller passes the
+previous reply's `latest_time` as the next `since` and appends):
+
+    run_name          str     the name given to `Dashboard`
+    now               float   server time of this reply
+    start_time        float   time of the first record seen (the charts' x origin)
+    latest_time       float   newest record time in this reply (the next `since`)
+    since             float   the `since` this reply answers (0 = everything)
+    trainer_version   int     trainer version of the newest record
+    rollout_version   int|null  version the rollout side last reported as loaded
+    steps             int     train-step records seen (skipped steps included)
+    latest            {name: number}  newest value of every series below
+    head_lag_hist     {lag: count}    head version lag of trained samples, summed over
+                                      non-skipped train steps (string keys)
+    token_lag_hist    {lag: count}    the same per generated token
+    reward_hist       {"buckets": [{"le": str, "count": int}], "count": int, "sum": float}
+                      rewards of trained samples from the registry's histogram;
+                      counts are per bucket (lower bound excluded), not cumulative
+    series            {name: [[time, value], ...]} with names:
+        trainer_version, rollout_version                          versions over time
+        gate_capacity, gate_running, gate_accepted,               staleness gate, in samples:
+        gate_consumed, gate_dropped, gate_rejected_at_gate,       accepted = sent_base + sent -
+        gate_free                                                 dropped; free = capacity -
+                                                                  accepted - running (what η
+                                                                  still admits); rejected_at_gate
+                                                                  counts refused admissions
+        over_stale                                                cumulative over-stale drops
+                                                                  (train_step `over_stale`)
+        buffer_depth                                              samples waiting to train
+        gen_tokens_per_s, train_tokens_per_s                      throughput
+        trainer_idle_ratio, rollout_idle_ratio                    fraction of time waiting
+        interrupts, interrupted_tokens, recompute_tokens          cumulative
+        pause_resume_latency_s_max                                seconds
+        weight_sync_s, weight_sync_bytes                          per synced step
+        reward_mean, loss                                         per train step
+        eval_accuracy, eval_reward_mean                           per evaluation
+        behav_prox_gap                                            mean |behav - prox| logprob
+        behav_weight_mean, behav_weight_max,                      importance weights
+        behav_capped, behav_masked, clip_frac
+    summary           the run's `summary` record (outcome counts); present only
+                      once it has been written
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from areal_like.metrics import MetricsLog, MetricsRegistry
+
+__all__ = ["Dashboard", "build_data", "SERIES"]
+
+log = logging.getLogger(__name__)
+
+# (series name, record kind, record field). One table, so the docstring, the page and
+# the tests agree on where each number comes from.
+SERIES: tuple[tuple[str, str, str], ...] = (
+    ("trainer_version", "train_step", "trainer_version"),
+    ("trainer_version", "rollout", "trainer_version"),
+    ("rollout_version", "rollout", "loaded_version"),
+    ("gate_capacity", "rollout", "gate_capacity"),
+    ("gate_running", "rollout", "gate_running"),
+    ("gate_accepted", "rollout", "gate_accepted"),  # derived in _record_value
+    ("gate_free", "rollout", "gate_free"),  # derived in _record_value
+    ("gate_consumed", "rollout", "gate_consumed"),
+    ("gate_dropped", "rollout", "gate_dropped"),
+    ("gate_rejected_at_gate", "rollout", "gate_rejected_at_gate"),
+    ("over_stale", "train_step", "over_stale"),
+    ("buffer_depth", "train_step", "buffer_depth"),
+    ("gen_tokens_per_s", "rollout", "gen_tokens_per_s"),
+    ("train_tokens_per_s", "train_step", "tokens_per_s"),
+    ("trainer_idle_ratio", "train_step", "trainer_idle_ratio"),
+    ("rollout_idle_ratio", "rollout", "rollout_idle_ratio"),
+    ("interrupts", "rollout", "interrupts"),
+    ("interrupted_tokens", "rollout", "interrupted_tokens"),
+    ("recompute_tokens", "rollout", "recompute_tokens"),
+    ("pause_resume_latency_s_max", "rollout", "pause_resume_latency_s_max"),
+    ("weight_sync_s", "train_step", "weight_sync_s"),
+    ("weight_sync_bytes", "train_step", "weight_sync_bytes"),
+    ("reward_mean", "train_step", "reward_mean"),
+    ("loss", "train_step", "loss"),
+    ("eval_accuracy", "eval", "accuracy"),
+    ("eval_reward_mean", "eval", "reward_mean"),
+    ("behav_prox_gap", "train_step", "behav_prox_gap"),
+    ("behav_weight_mean", "train_step", "behav_weight_mean"),
+    ("behav_weight_max", "train_step", "behav_weight_max"),
+    ("behav_capped", "train_step", "behav_capped"),
+    ("behav_masked", "train_step", "behav_masked"),
+    ("clip_frac", "train_step", "clip_frac"),
+)
+
+_BY_KIND: dict[str, list[tuple[str, str]]] = {}
+for _name, _kind, _field in SERIES:
+    _BY_KIND.setdefault(_kind, []).append((_name, _field))
+
+_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+_PAGE = "index.html"
+# The page may load only its own script and style and talk only to its own origin.
+_CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _record_value(rec: dict[str, Any], field: str) -> float | None:
+    if field in ("gate_accepted", "gate_free"):
+        # Mirrors StalenessGate.accepted (samples handed over and not later dropped) and
+        # the staleness half of free_slots(): how many more episodes η still allows.
+        sent, dropped = _number(rec.get("gate_sent")), _number(rec.get("gate_dropped"))
+        if sent is None or dropped is None:
+            return None
+        accepted = (_number(rec.get("gate_sent_base")) or 0.0) + sent - dropped
+        if field == "gate_accepted":
+            return accepted
+        capacity, running = _number(rec.get("gate_capacity")), _number(rec.get("gate_running"))
+        if capacity is None or running is None:
+            return None
+        return capacity - accepted - running
+    return _number(rec.get(field))
+
+
+def _add_hist(into: dict[int, int], hist: Any) -> None:
+    if not isinstance(hist, dict):
+        return
+    for k, n in hist.items():
+        try:
+            lag = int(k)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(n, (int, float)) and not isinstance(n, bool):
+            into[lag] = into.get(lag, 0) + int(n)
+
+
+def _reward_hist(registry: MetricsRegistry) -> dict[str, Any]:
+    """Per-bucket counts of the registry's `areal_like_reward` histogram."""
+    cumulative: list[tuple[str, float]] = []
+    count, total = 0, 0.0
+    for family in registry.registry.collect():
+        if family.name != "areal_like_reward":
+            continue
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                cumulative.append((s.labels["le"], s.value))
+            elif s.name.endswith("_count"):
+                count = int(s.value)
+            elif s.name.endswith("_sum"):
+                total = float(s.value)
+    buckets, prev = [], 0.0
+    for le, c in cumulative:
+        buckets.append({"le": le, "count": int(c - prev)})
+        prev = c
+    return {"buckets": buckets, "count": count, "sum": total}
+
+
+def build_data(
+    records: Iterable[dict[str, Any]],
+    registry: MetricsRegistry,
+    *,
+    since: float = 0.0,
+    run_name: str = "",
+    start_time: float | None = None,
+) -> dict[str, Any]:
+    """The `/api/data` reply (fields in the module docstring), pure so tests need no server.
+
+    Histograms, `latest` and the versions are computed over all `records`; only the
+    series are cut at `since`, so an incremental poll stays small while the
+    aggregates stay whole.
+    """
+    records = list(records)
+    series: dict[str, list[list[float]]] = {name: [] for name, _, _ in SERIES}
+    latest: dict[str, float] = {}
+    head: dict[int, int] = {}
+    token: dict[int, int] = {}
+    trainer_version, rollout_version, steps = 0, None, 0
+    latest_time, summary = since, None
+    for rec in records:
+        kind, t = rec.get("kind"), _number(rec.get("time"))
+        if t is None:
+            continue
+        if isinstance(rec.get("trainer_version"), int):
+            trainer_version = rec["trainer_version"]
+        if kind == "train_step":
+            steps += 1
+            if not rec.get("skipped"):
+                _add_hist(head, rec.get("head_lag_hist"))
+                _add_hist(token, rec.get("token_lag_hist"))
+            if rollout_version is None and isinstance(rec.get("rollout_version"), int):
+                rollout_version = rec["rollout_version"]
+        elif kind == "rollout" and isinstance(rec.get("loaded_version"), int):
+            rollout_version = rec["loaded_version"]
+        elif kind == "summary":
+            summary = rec
+        for name, field in _BY_KIND.get(str(kind), ()):
+            value = _record_value(rec, field)
+            if value is None:
+                continue
+            latest[name] = value
+            if t > since:
+                series[name].append([t, value])
+                latest_time = max(latest_time, t)
+    first = _number(records[0].get("time")) if records else None
+    out: dict[str, Any] = {
+        "run_name": run_name,
+        "now": time.time(),
+        "start_time": start_time if start_time is not None else (first if first is not None else time.time()),
+        "latest_time": latest_time,
+        "since": since,
+        "trainer_version": trainer_version,
+        "rollout_version": rollout_version,
+        "steps": steps,
+        "latest": latest,
+        "head_lag_hist": {str(k): head[k] for k in sorted(head)},
+        "token_lag_hist": {str(k): token[k] for k in sorted(token)},
+        "reward_hist": _reward_hist(registry),
+        "series": series,
+    }
+    if summary is not None:
+        out["summary"] = summary
+    return out
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere, so it needs a token
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    dashboard: Dashboard
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "areal_like-dashboard"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (base-class signature)
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        d = self.server.dashboard
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        path = url.path
+        if path == "/health":
+            self._send(HTTPStatus.OK, b'{"ok":true}', "application/json")
+            return
+        if path.startswith("/static/"):
+            name = path[len("/static/"):]
+            if name not in _ASSETS:
+                self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
+                return
+            self._send(HTTPStatus.OK, d._assets[name], _ASSETS[name] + "; charset=utf-8")
+            return
+        if not self._authorized(d.token, query):
+            self._send(HTTPStatus.UNAUTHORIZED, b"a token is required: ?token=... or Authorization: Bearer ...",
+                       "text/plain", extra={"WWW-Authenticate": "Bearer"})
+            return
+        if path in ("/", "/index.html"):
+            self._send(HTTPStatus.OK, d._assets[_PAGE], "text/html; charset=utf-8", extra={"Content-Security-Policy": _CSP})
+        elif path == "/api/data":
+            try:
+                since = float(query.get("since", ["0"])[0])
+            except ValueError:
+                self._send(HTTPStatus.BAD_REQUEST, b"since must be a number (UNIX seconds)", "text/plain")
+                return
+            body = json.dumps(d.data(since), separators=(",", ":"), allow_nan=False).encode()
+            self._send(HTTPStatus.OK, body, "application/json")
+        elif path == "/metrics":
+            self._send(HTTPStatus.OK, d.registry.exposition(), CONTENT_TYPE_LATEST)
+        else:
+            self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
+
+    def _authorized(self, token: str | None, query: dict[str, list[str]]) -> bool:
+        if token is None:
+            return True
+        given = query.get("token", [""])[0]
+        auth = self.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            given = auth[len("Bearer "):].strip()
+        return hmac.compare_digest(given.encode(), token.encode())
+
+    def _send(self, status: HTTPStatus, body: bytes, ctype: str, extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class Dashboard:
+    """Serves the live dashboard of one run from a background thread.
+
+    `start()` binds (port 0 picks a free port) and returns the URL; the token, when
+    set, is not part of it, so the URL can be logged without leaking the secret.
+    """
+
+    def __init__(
+        self,
+        mlog: MetricsLog,
+        registry: MetricsRegistry,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        run_name: str = "",
+    ) -> None:
+        if token is not None and not token:
+            raise ValueError("dashboard token must be a non-empty string or None")
+        if token is None and not _is_loopback(host):
+            raise ValueError(
+                f"refusing to serve the dashboard on {host!r} without a token: it exposes the run's metrics; "
+                "set metrics.dashboard_token or bind to 127.0.0.1"
+            )
+        self.mlog = mlog
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self.token = token
+        self.run_name = run_name
+        self.url = ""
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._assets: dict[str, bytes] = {}
+        self._start_time: float | None = None
+
+    def data(self, since: float = 0.0) -> dict[str, Any]:
+        # list() of a list is one atomic copy under the GIL, so MetricsLog.write's
+        # append/trim on another thread cannot tear it.
+        records = list(self.mlog.recent)
+        if self._start_time is None and records:
+            self._start_time = _number(records[0].get("time"))
+        return build_data(records, self.registry, since=since, run_name=self.run_name, start_time=self._start_time)
+
+    def start(self) -> str:
+        if self._server is not None:
+            return self.url
+        folder = resources.files("areal_like") / "assets" / "dashboard"
+        self._assets = {name: (folder / name).read_bytes() for name in (_PAGE, *_ASSETS)}
+        cls = _Server6 if ":" in self.host else _Server
+        server = cls((self.host, self.port), _Handler)
+        server.dashboard = self
+        self._server = server
+        self.port = server.server_address[1]
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{shown}:{self.port}/"
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="areal_like-dashboard", daemon=True)
+        self._thread.start()
+        log.info("dashboard at %s%s", self.url, " (append ?token=...)" if self.token else "")
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+        self._thread = None
