@@ -41,7 +41,7 @@ previous reply's `latest_time` as the next `since` and appends):
     head_lag_hist     {lag: count}    head version lag of trained samples, summed over
                                       non-skipped train steps (string keys)
     token_lag_hist    {lag: count}    the same per generated token
-    reward_hist       {"buckets": [{"le": str, "count": int}], "count": int, "sum": float}
+    reward_hist       {"buckets": [{"le": str, "count": int}], "count": int, "sum": float|null}
                       rewards of trained samples from the registry's histogram;
                       counts are per bucket (lower bound excluded), not cumulative
     series            {name: [[time, value], ...]} with names:
@@ -194,7 +194,7 @@ def _reward_hist(registry: MetricsRegistry) -> dict[str, Any]:
     for le, c in cumulative:
         buckets.append({"le": le, "count": int(c - prev)})
         prev = c
-    return {"buckets": buckets, "count": count, "sum": total}
+    return {"buckets": buckets, "count": count, "sum": total if math.isfinite(total) else None}
 
 
 def build_data(
@@ -276,6 +276,10 @@ def _is_loopback(host: str) -> bool:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     dashboard: Dashboard
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver would print the traceback to stderr; keep it in the run's log.
+        log.exception("dashboard request from %s failed", client_address)
 
 
 class _Server6(_Server):

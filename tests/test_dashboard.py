@@ -300,3 +300,18 @@ def test_stop_frees_the_port(run) -> None:
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url + "health", timeout=2)
     dash.stop()  # idempotent
+
+
+def test_grafana_dashboard_queries_only_registry_metrics() -> None:
+    """docs/grafana_dashboard.json must follow renames in MetricsRegistry, or its panels go blank."""
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana_dashboard.json").read_text())
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    known = {f.name + s for f in MetricsRegistry().registry.collect() for s in suffixes[f.type]}
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"areal_like_[a-z_]+", e)}
+    assert used and used <= known, sorted(used - known)
+    # Every registry metric appears on some panel.
+    assert {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used} >= {f.name for f in MetricsRegistry().registry.collect()}
