@@ -87,9 +87,9 @@ def _points_js() -> str:
 
 def _start_chromium(profile: Path) -> tuple[subprocess.Popen[bytes], str]:
     assert CHROMIUM is not None
-    log = (profile.parent / "chromium.log").open("wb")
-    proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    with (profile.parent / "chromium.log").open("wb") as log:  # the child keeps its own copy of the fd
+        proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                                stdout=log, stderr=subprocess.STDOUT)
     port_file = profile / "DevToolsActivePort"
     deadline = time.time() + DEADLINE_S
     while not (port_file.is_file() and port_file.read_text().strip()):
