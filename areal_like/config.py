@@ -72,7 +72,7 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = "assets/quickstart_model"
+    path: str = "areal_like/assets/quickstart_model"
     """HF folder (model + tokenizer). Relative paths resolve against the config file's
     folder first, then the current directory, then the installed package's assets."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

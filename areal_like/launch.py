@@ -138,14 +138,12 @@ class RolloutSide:
         model_path = resolve_model_path(cfg)
         tokenizer = load_tokenizer(model_path)
         servers = [
-            RolloutServer.from_config(
-                model_path, cfg.rollout.engine, interrupt_mode=cfg.rollout.interrupt_mode,
-                seed=cfg.run.seed + 17 * i, load_tokenizer=False, set_threads=False,
+            RolloutServer(
+                model_path, tokenizer, engine_config=cfg.rollout.engine, interrupt_mode=cfg.rollout.interrupt_mode,
+                seed=cfg.run.seed + 17 * i, set_threads=False,
             )
             for i in range(cfg.rollout.num_servers)
         ]
-        for s in servers:
-            s.tokenizer = tokenizer
         manager = ServerManager(servers, max_sticky_sessions=cfg.rollout.max_sticky_sessions)
         runner = AgentRunner.from_config(cfg, server_manager=manager, tokenizer=tokenizer)
 
@@ -286,7 +284,7 @@ class TrainerSide:
     """The train cluster's driver: run folder, workers, sender, channels, controller."""
 
     def __init__(self, cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False,
-                 placement_group: Any = None, on_step: Any = None) -> None:
+                 placement_group: Any = None, on_step: Any = None, check_peers: Any = None) -> None:
         from areal_like.channels import ControlPublisher, DataPuller
         from areal_like.metrics import MetricsLog, MetricsRegistry
         from areal_like.run_dir import RunDir
@@ -305,6 +303,7 @@ class TrainerSide:
         self.resume = resume
         self.placement_group = placement_group
         self.on_step = on_step
+        self.check_peers = check_peers
         self.group: Any = None
         self.controller: Any = None
 
@@ -325,7 +324,7 @@ class TrainerSide:
         self.controller = TrainerController(
             cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
             run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
-            on_step=self.on_step,
+            on_step=self.on_step, check_peers=self.check_peers,
         )
         if self.resume:
             self.controller.resume()
@@ -362,6 +361,9 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_resources(cfg)
+    from areal_like.run_dir import RunDir
+
+    RunDir(cfg.run.dir).check(resume=resume, overwrite=overwrite)  # refuse before starting anything
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
     started_ray = False
@@ -386,6 +388,21 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     if on_start is not None:
         on_start(trainer)
     ref = rollout.remote(cfg.model_dump(mode="json"), data_addr, control_addr)
+    last_check = [0.0]
+
+    def check_rollout() -> None:
+        if time.time() - last_check[0] < 1.0:
+            return
+        last_check[0] = time.time()
+        done, _ = ray.wait([ref], timeout=0)
+        if done:
+            try:
+                out = ray.get(ref)
+            except Exception as e:
+                raise RuntimeError(f"the rollout side died: {e}") from e
+            raise RuntimeError(f"the rollout side stopped before the trainer finished: {out}")
+
+    trainer.check_peers = check_rollout
     try:
         summary = trainer.run()
         ready, _ = ray.wait([ref], timeout=60)

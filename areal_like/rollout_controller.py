@@ -89,6 +89,8 @@ class RolloutController:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._group_seq = 0
+        self._incarnation = 0
+        """Trainer version when this rollout side started: episode ids stay unique across resumes."""
         self._sending: set[str] = set()
         self._eval_tasks: list[asyncio.Task[None]] = []
         gate.set_loaded_version(loaded_version)
@@ -119,7 +121,7 @@ class RolloutController:
         self._wake.set()
 
     def _spawn_group(self, row: dict[str, Any]) -> None:
-        gid = f"s{self.seed}-g{self._group_seq}"
+        gid = f"s{self.seed}-r{self._incarnation}-g{self._group_seq}"
         self._group_seq += 1
         self.started += self.n
         task = asyncio.create_task(self._run_group(row, gid), name=gid)
@@ -177,6 +179,7 @@ class RolloutController:
         """Admit nothing before the trainer has spoken: it may be resuming at a later
         version (whose weights must be loaded first) and a later data position."""
         ann = await self.announcements.get()
+        self._incarnation = ann.version
         if self.join_weights is not None:
             await self.join_weights(ann)
         if ann.data_position is not None:

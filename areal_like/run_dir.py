@@ -50,16 +50,20 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
         self.final = self.path / "final"
 
-    def prepare(self, cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> None:
-        """Create (or reopen for resume) the folder and write the resolved config."""
+    def check(self, resume: bool = False, overwrite: bool = False) -> bool:
+        """Refuse what `prepare` would refuse; True if the folder exists with content."""
         exists = self.path.exists() and any(self.path.iterdir())
         if exists and not (resume or overwrite):
             raise RunDirError(
                 f"run folder {self.path} already exists; pass --resume to continue it or --overwrite to replace it"
             )
-        if resume and not self.latest_checkpoint():
-            if exists:
-                raise RunDirError(f"--resume: {self.path} has no checkpoint to resume from")
+        if resume and exists and not self.latest_checkpoint():
+            raise RunDirError(f"--resume: {self.path} has no checkpoint to resume from")
+        return exists
+
+    def prepare(self, cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> None:
+        """Create (or reopen for resume) the folder and write the resolved config."""
+        exists = self.check(resume, overwrite)
         if overwrite and exists and not resume:
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True, exist_ok=True)

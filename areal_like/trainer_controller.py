@@ -71,6 +71,7 @@ class TrainerController:
         registry: MetricsRegistry | None = None,
         model_path: str | Path,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        check_peers: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -82,6 +83,8 @@ class TrainerController:
         self.m = registry or MetricsRegistry()
         self.model_path = Path(model_path)
         self.on_step = on_step
+        self.check_peers = check_peers
+        """Raises if the rollout side (when this process knows it) has died."""
         self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
         self.started_before_resume = 0
         self.sent_base = 0
@@ -94,6 +97,7 @@ class TrainerController:
         self.busy_s = 0.0
         self.evals: list[dict[str, Any]] = []
         self._last_announce = 0.0
+        self._resumed_sent_at = time.time()
         self._stopping = False
 
     # ---- resume ----------------------------------------------------------------------
@@ -123,7 +127,11 @@ class TrainerController:
             v = self.trainer.version
             groups = self.buffer.pop_batch(v, cfg.train.batch_size)
             if groups is None:
+                if self.resumed_meta is not None and self.rollout is None:
+                    self._resend_resumed_weights()
                 self._announce(weights=self.resumed_meta if self.rollout is None else None)
+                if self.check_peers is not None:
+                    self.check_peers()
                 continue
             self.idle_s += time.time() - t_wait
             t0 = time.time()
@@ -131,6 +139,17 @@ class TrainerController:
             self.busy_s += time.time() - t0
             t_wait = time.time()
         return self._finish()
+
+    def _resend_resumed_weights(self, every_s: float = 3.0) -> None:
+        """After a resume the engines start from the base model. A dist transfer reaches
+        only receivers registered when it starts, and the rollout side registers on
+        its first announcement, so re-send the resumed version until it reports in."""
+        now = time.time()
+        if now - self._resumed_sent_at < every_s:
+            return
+        self._resumed_sent_at = now
+        self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
+        self._announce(weights=self.resumed_meta, force=True)
 
     def _train(self, groups: list[TrajectoryGroup], v: int) -> None:
         cfg = self.cfg
