@@ -11,7 +11,15 @@ EXTRAS=dev bash scripts/setup.sh
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 marker="not slow and not vllm and not gpu"
 case "${1:-}" in
-  --slow) marker="slow and not vllm and not gpu"; shift ;;
+  --slow)
+    marker="slow and not vllm and not gpu"; shift
+    # The browser test drives Debian's headless Chromium (nothing is downloaded by the test).
+    if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "[test] installing chromium for the dashboard browser test"
+      (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core) >/dev/null 2>&1 \
+        || echo "[test] could not install chromium; the browser test will say it is skipped"
+    fi
+    ;;
   --vllm) marker="vllm"; shift ;;
 esac
 set +e
