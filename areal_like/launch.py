@@ -297,6 +297,14 @@ class TrainerSide:
         self.registry = MetricsRegistry()
         tb = self.run_dir.path / "tensorboard" if cfg.metrics.tensorboard else None
         self.mlog = MetricsLog(self.run_dir.metrics, tb, cfg.metrics.wandb_project)
+        from areal_like.dashboard import Dashboard
+
+        # refuses a non-loopback bind without a token before anything else starts
+        self.dashboard = Dashboard(self.mlog, self.registry, host=cfg.metrics.dashboard_host,
+                                   port=cfg.metrics.dashboard_port, token=cfg.metrics.dashboard_token,
+                                   run_name=Path(cfg.run.dir).name)
+        self.dashboard_url = self.dashboard.start()
+        log.info("dashboard: %s", self.dashboard_url)
         self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
         self.publisher = ControlPublisher(cfg.transport.control_addr, cfg.transport.secret)
         self.sender = make_sender(cfg.weight_sync, disk_path=cfg.weight_sync.disk_path or str(self.run_dir.path / "weight_sync"))
@@ -339,6 +347,7 @@ class TrainerSide:
         log.info("final model exported to %s", self.run_dir.final)
 
     def close(self) -> None:
+        self.dashboard.stop()
         self.sender.close()
         self.puller.close()
         self.publisher.close()

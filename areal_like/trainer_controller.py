@@ -98,6 +98,7 @@ class TrainerController:
         self.evals: list[dict[str, Any]] = []
         self._last_announce = 0.0
         self._resumed_sent_at = time.time()
+        self._last_rollout: dict[str, float] = {}
         self._stopping = False
 
     # ---- resume ----------------------------------------------------------------------
@@ -178,6 +179,8 @@ class TrainerController:
             "token_lag_hist": _hist(token_lags),
             "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
             "buffer_depth": self.buffer.depth,
+            "over_stale": self.buffer.counts["over_stale"],
+            "filtered": self.buffer.counts["filtered"],
             **{k: v for k, v in stats.items() if k not in ("version",)},
         }
         for lag in head_lags:
@@ -191,6 +194,14 @@ class TrainerController:
         self.m.train_tokens.inc(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
         if "behav_prox_gap" in stats:
             self.m.logprob_gap.set(stats["behav_prox_gap"])
+        for stat in ("behav_weight_mean", "behav_weight_max", "behav_capped", "behav_masked"):
+            if stat in stats:
+                self.m.iw.labels(stat=stat.removeprefix("behav_")).set(stats[stat])
+        if "tokens_per_s" in stats:
+            self.m.tokens_per_s.labels(pool="train").set(stats["tokens_per_s"])
+        for k, n in self.buffer.summary(0, 0).items():
+            if k not in ("started", "cancelled"):
+                self.m.outcomes.labels(outcome=k).set(n)
         if not skipped and (new_v % cfg.weight_sync.every_n_steps == 0 or new_v >= cfg.train.total_steps):
             t0 = time.time()
             meta = self.weights.send(new_v, self.trainer.named_weights())
@@ -258,6 +269,7 @@ class TrainerController:
             if msg.kind == "final":
                 self.final = msg
             self.m.server_version.labels(server="rollout").set(msg.loaded_version)
+            self._rollout_counters(msg.metrics)
             for k in ("running", "sent", "dropped", "consumed", "capacity"):
                 if f"gate_{k}" in msg.metrics:
                     self.m.gate.labels(state=k).set(msg.metrics[f"gate_{k}"])
@@ -266,6 +278,25 @@ class TrainerController:
             self.mlog.write("rollout", self.trainer.version, **fields)
         else:
             log.warning("unexpected message on the data channel: %s", type(msg).__name__)
+
+    def _rollout_counters(self, metrics: dict[str, float]) -> None:
+        """Rollout numbers are cumulative per rollout process: add what is new."""
+        counters = {"generated_tokens": self.m.gen_tokens, "interrupts": self.m.interrupts,
+                    "interrupted_tokens": self.m.interrupted_tokens, "recompute_tokens": self.m.recompute_tokens}
+        for key, counter in counters.items():
+            if key in metrics:
+                delta = metrics[key] - self._last_rollout.get(key, 0.0)
+                if delta > 0:
+                    counter.inc(delta)
+                self._last_rollout[key] = metrics[key]
+        if metrics.get("interrupts", 0.0) > self._last_rollout.get("_pause_seen", 0.0):
+            self._last_rollout["_pause_seen"] = metrics["interrupts"]
+            if "pause_resume_latency_s_max" in metrics:
+                self.m.pause_resume.observe(metrics["pause_resume_latency_s_max"])
+        if "gen_tokens_per_s" in metrics:
+            self.m.tokens_per_s.labels(pool="rollout").set(metrics["gen_tokens_per_s"])
+        if "rollout_idle_ratio" in metrics:
+            self.m.idle_ratio.labels(pool="rollout").set(metrics["rollout_idle_ratio"])
 
     # ---- checkpoint and end ----------------------------------------------------------------
     def _accounted(self) -> int:
