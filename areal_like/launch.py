@@ -103,8 +103,12 @@ def _need_gpus(n: int, what: str) -> None:
 class RolloutSide:
     """Everything the rollout cluster runs, in one process (or one Ray actor)."""
 
-    def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None) -> None:
+    def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
+                 user: dict[str, Any] | None = None) -> None:
         self.cfg = cfg
+        self.user = user or {}
+        """Objects given through the Python API instead of the config: `rows`, `eval_rows`,
+        `reward_fn`, `tools`, `loops` (DESIGN.md §9.10)."""
         self.data_addr = data_addr or cfg.transport.data_addr
         self.control_addr = control_addr or cfg.transport.control_addr
         for name, addr in (("data_addr", self.data_addr), ("control_addr", self.control_addr)):
@@ -145,7 +149,8 @@ class RolloutSide:
             for i in range(cfg.rollout.num_servers)
         ]
         manager = ServerManager(servers, max_sticky_sessions=cfg.rollout.max_sticky_sessions)
-        runner = AgentRunner.from_config(cfg, server_manager=manager, tokenizer=tokenizer)
+        overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}
+        runner = AgentRunner.from_config(cfg, server_manager=manager, tokenizer=tokenizer, **overrides)
 
         tools = [t.schema for t in runner.tools] if runner.tools else None
 
@@ -154,12 +159,12 @@ class RolloutSide:
             out = tokenizer.apply_chat_template(row["prompt"], tools=use_tools, add_generation_prompt=True, tokenize=True)
             return len(out["input_ids"] if not isinstance(out, list) else out)
 
-        rows = load_rows(cfg.dataset, "train", cfg.run.seed)
+        rows = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed)
         source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len)
         if source.filtered_too_long:
             log.warning("%d prompts longer than rollout.max_prompt_len=%d were filtered at load",
                         source.filtered_too_long, cfg.rollout.max_prompt_len)
-        eval_rows = load_rows(cfg.dataset, "eval", cfg.run.seed)[: cfg.eval.num_samples]
+        eval_rows = (self.user.get("eval_rows") or load_rows(cfg.dataset, "eval", cfg.run.seed))[: cfg.eval.num_samples]
         receiver = make_receiver(
             cfg.weight_sync, f"rollout-{socket.gethostname()}-{os.getpid()}",
             disk_path=cfg.weight_sync.disk_path or str(Path(cfg.run.dir) / "weight_sync"),
@@ -356,14 +361,15 @@ class TrainerSide:
             self.group.shutdown()
 
 
-def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: str) -> dict[str, Any]:
+def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: str,
+                        user: dict[str, Any] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=cfg_json["run"]["log_level"], format="%(asctime)s rollout %(name)s: %(message)s")
     cfg = ExperimentConfig.model_validate(cfg_json)
-    return RolloutSide(cfg, data_addr, control_addr).run()
+    return RolloutSide(cfg, data_addr, control_addr, user=user).run()
 
 
 def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, on_step: Any = None,
-             on_start: Any = None) -> dict[str, int]:
+             on_start: Any = None, user: dict[str, Any] | None = None) -> dict[str, int]:
     """Both clusters on this machine: embedded Ray, one placement group per pool."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -396,7 +402,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     )
     if on_start is not None:
         on_start(trainer)
-    ref = rollout.remote(cfg.model_dump(mode="json"), data_addr, control_addr)
+    ref = rollout.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user)
     last_check = [0.0]
 
     def check_rollout() -> None:
