@@ -1,0 +1,94 @@
+"""A rollout server dies mid-run: its episodes move to the other server, none is lost.
+
+Real engines, real server manager, real agent loops and controller; the trainer is a
+small fake consuming groups through the real buffer (DESIGN.md §3 invariant 5, §9.5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from areal_like.buffer import TrajectoryBuffer
+from areal_like.config import load_config
+from areal_like.dataset import PromptSource, load_rows
+from areal_like.rollout_controller import RolloutController
+from areal_like.staleness import StalenessGate
+from areal_like.types import (
+    RolloutStats,
+    SamplingParams,
+    TrajectoryGroup,
+    VersionAnnouncement,
+    WeightUpdateMeta,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_killed_server_mid_run_loses_no_episode(tiny_model_dir) -> None:
+    from areal_like.tiny_model import load_tokenizer
+    from rollout_cluster.agent_loop.runner import AgentRunner
+    from rollout_cluster.server import RolloutServer
+    from rollout_cluster.server_manager import ServerManager
+
+    cfg = load_config("configs/quickstart.yaml", [f"model.path={tiny_model_dir}", "rollout.group_size=4",
+                                                   "train.batch_size=2", "rollout.response_length=32"])
+
+    async def main() -> tuple[TrajectoryBuffer, RolloutStats, ServerManager]:
+        tok = load_tokenizer(tiny_model_dir)
+        servers = {f"s{i}": RolloutServer(tiny_model_dir, tok, engine_config=cfg.rollout.engine, seed=i, set_threads=False)
+                   for i in range(2)}
+        manager = ServerManager(servers)
+        runner = AgentRunner.from_config(cfg, server_manager=manager, tokenizer=tok)
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def send(msg) -> None:
+            await inbox.put(msg)
+
+        from transformers import AutoModelForCausalLM
+
+        weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items())
+
+        async def apply_weights(meta) -> int:  # same tensors, new version: the engines interrupt and go on
+            for name in manager.server_names:
+                await servers[name].update_weights(weights, meta.version)
+            return meta.version
+
+        ctl = RolloutController(
+            gate=StalenessGate(cfg.samples_per_step, 1, 64),
+            source=PromptSource(load_rows(cfg.dataset, "train", 0), seed=0),
+            group_size=4, sampling=SamplingParams(max_tokens=32), run_episode=runner.run_episode,
+            score=runner.score, send=send, apply_weights=apply_weights, stats_every_s=0.2,
+        )
+        ctl.announcements.put_nowait(VersionAnnouncement(version=0))
+        task = asyncio.create_task(ctl.run())
+        buf = TrajectoryBuffer(1, filter_uniform_groups=False)
+        v, killed, final = 0, False, None
+        while final is None:
+            msg = await asyncio.wait_for(inbox.get(), 120)
+            if isinstance(msg, TrajectoryGroup):
+                buf.put(msg)
+                if not killed and manager.in_flight().get("s0", 0) > 0:
+                    await servers["s0"].close()  # the engine dies with requests in flight
+                    killed = True
+            elif isinstance(msg, RolloutStats) and msg.kind == "final":
+                final = msg
+            batch = buf.pop_batch(v, 2)
+            if batch is not None:
+                buf.mark_trained(batch)
+                v += 1
+            meta = WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="-")
+            ctl.announcements.put_nowait(VersionAnnouncement(version=v, consumed=buf.consumed, weights=meta,
+                                                             dropped=buf.dropped_sent, stop=v >= 4))
+        await task
+        await servers["s1"].close()
+        assert killed
+        return buf, final, manager
+
+    buf, final, manager = asyncio.run(main())
+    summary = buf.summary(final.started, final.cancelled)
+    assert TrajectoryBuffer.counts_add_up(summary), summary
+    assert manager.num_failures >= 1 and manager.server_names == ["s1"]
+    assert summary["failed"] == 0, "episodes on the dead server should have moved, not failed"
+    assert summary["trained"] >= 4 * 8
