@@ -64,20 +64,21 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple
     a.set_xlabel("seconds")
     a.set_title("versions over time")
     a.legend()
+    def by_time(recs: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+        xs, ys = _series(recs, key, x="time")
+        return [x - t0 for x in xs], ys
+
     a = ax[1, 0]
-    a.plot(*_series(steps, "tokens_per_s"), label="train tokens/s")
-    xs, ys = _series(rollout, "gen_tokens_per_s", x="time")
-    if xs:
-        a2 = a.twinx()
-        a2.plot([x - t0 for x in xs], ys, color="tab:orange", alpha=0.6)
-        a2.set_ylabel("generation tokens/s (by time)")
+    a.plot(*by_time(steps, "tokens_per_s"), label="train tokens/s")
+    a.plot(*by_time(rollout, "gen_tokens_per_s"), label="generation tokens/s", alpha=0.7)
+    a.set_xlabel("seconds")
     a.set_title("throughput")
+    a.legend()
     a = ax[1, 1]
-    a.plot(*_series(steps, "trainer_idle_ratio"), label="trainer idle")
-    xs, ys = _series(rollout, "rollout_idle_ratio", x="time")
-    if xs:
-        a.plot([x - t0 for x in xs], ys, label="rollout idle (by time)")
+    a.plot(*by_time(steps, "trainer_idle_ratio"), label="trainer idle (cumulative)")
+    a.plot(*by_time(rollout, "rollout_idle_ratio"), label="rollout idle (cumulative)")
     a.set_ylim(0, 1)
+    a.set_xlabel("seconds")
     a.set_title("idle ratios")
     a.legend()
     a = ax[1, 2]

@@ -106,3 +106,12 @@ def test_every_field_is_documented() -> None:
         return missing
 
     assert walk(ExperimentConfig, "") == []
+
+
+def test_config_reference_is_current() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    r = subprocess.run([sys.executable, "scripts/gen_config_reference.py", "--check"], cwd=root)
+    assert r.returncode == 0, "docs/config_reference.md is stale: run python scripts/gen_config_reference.py"
