@@ -159,6 +159,38 @@ def _progress(cfg: ExperimentConfig):  # noqa: ANN202 - a small closure
     return on_step
 
 
+@app.command("sweep-staleness")
+def sweep_staleness_cmd(
+    config: Path = typer.Argument(..., help="Experiment YAML (keep train.total_steps short)."),
+    eta: str = typer.Option("0,1,2,4,8", help="Comma-separated η values."),
+    set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
+) -> None:
+    """Short runs per η: a table and a plot of throughput and reward against η."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from areal_like.sweep import sweep_staleness
+
+    try:
+        etas = [int(x) for x in eta.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--eta {eta!r}: expected comma-separated integers, e.g. 0,1,2,4")
+    if not etas or min(etas) < 0:
+        _fail("--eta needs at least one value >= 0")
+    cfg = _load(config, set_)
+    out = Path(cfg.run.dir) / "sweep"
+    rows = sweep_staleness(cfg, etas, out)
+    cols = ("eta", "steps", "wall_s", "samples_per_s", "final_reward", "eval_accuracy", "max_version_lag",
+            "trainer_idle_ratio")
+    table = Table(title="staleness sweep")
+    for col in cols:
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*(str(r.get(c)) for c in cols))
+    Console().print(table)
+    typer.echo(f"plot: {out / 'sweep.png'}  data: {out / 'sweep.json'}")
+
+
 @app.command()
 def audit(
     run_dir: Path = typer.Argument(..., help="A run folder (run.dir)."),
