@@ -232,10 +232,21 @@ def report(
     typer.echo(f"plots: {png}")
 
 
+def _term_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
+    import signal
+
+    # SIGTERM stops a run the way Ctrl-C does: the finally blocks tear down Ray and sockets.
+    signal.signal(signal.SIGTERM, _term_as_interrupt)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app()
+    except KeyboardInterrupt:
+        typer.secho("interrupted: stopped both clusters", fg=typer.colors.YELLOW, err=True)
+        sys.exit(130)
     except ConfigError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(2)
