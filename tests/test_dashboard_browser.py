@@ -133,6 +133,14 @@ async def _drive(ws_url: str, page_url: str, on_first_render: Any) -> tuple[dict
     return first, second, base64.b64decode(shot["data"])
 
 
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def test_dashboard_page_renders_and_updates_live(tmp_path) -> None:
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
@@ -151,11 +159,7 @@ def test_dashboard_page_renders_and_updates_live(tmp_path) -> None:
     try:
         first, second, png = asyncio.run(_drive(ws_url, url + "?token=browser-secret", more_steps))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _terminate(proc)
         dash.stop()
         mlog.close()
     assert first["chart-version-lag"] > 0
