@@ -64,6 +64,7 @@ class RolloutController:
         loaded_version: int = 0,
         seed: int = 0,
         stats_every_s: float = 2.0,
+        eval_timeout_s: float = 60.0,
     ) -> None:
         self.gate = gate
         self.source = source
@@ -81,6 +82,7 @@ class RolloutController:
         self.loaded_version = loaded_version
         self.seed = seed
         self.stats_every_s = stats_every_s
+        self.eval_timeout_s = eval_timeout_s
         self.announcements: asyncio.Queue[VersionAnnouncement] = asyncio.Queue()
         self.started = 0
         self.cancelled = 0
@@ -261,7 +263,12 @@ class RolloutController:
         await self.send(stats)
 
     async def _shutdown(self, control: asyncio.Task[None], stats: asyncio.Task[None]) -> None:
-        for t in (control, stats, *self._eval_tasks):
+        for t in (control, stats):
+            t.cancel()
+        pending = [t for t in self._eval_tasks if not t.done()]
+        if pending:  # the last version's evaluation is the one users look at: let it finish
+            await asyncio.wait(pending, timeout=self.eval_timeout_s)
+        for t in self._eval_tasks:
             t.cancel()
         running = list(self._groups)
         for t in running:

@@ -148,4 +148,5 @@ def test_evaluations_reported_per_version() -> None:
     _, _, _, evals, _ = asyncio.run(_run(2, seed=1))
     versions = [e.loaded_version for e in evals]
     assert 0 in versions and 4 in versions
+    assert 12 in versions  # the last version's evaluation finishes before the rollout side stops
     assert all(0.0 <= e.metrics["accuracy"] <= 1.0 and e.metrics["num_samples"] == 6 for e in evals)
