@@ -44,6 +44,8 @@ def _is_loopback(addr: str) -> bool:
 
 
 class _Channel:
+    sock: zmq.Socket
+
     def __init__(self, secret: str | None, max_bytes: int) -> None:
         self._key = secret.encode() if secret else None
         self.max_bytes = max_bytes
@@ -75,6 +77,15 @@ class _Channel:
             log.warning("refused a frame: %s", e)
             return None
 
+    def recv(self, timeout_s: float) -> Any | None:
+        """One valid message, or None on timeout or for a refused frame (counted)."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return self._parse(self.sock.recv_multipart())
+
+    def close(self) -> None:
+        self.sock.close(0)
+
 
 def _bind(sock: zmq.Socket, addr: str, secret: str | None) -> str:
     if not _is_loopback(addr) and not secret:
@@ -101,15 +112,6 @@ class DataPuller(_Channel):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 64)
         self.addr = _bind(self.sock, addr, secret)
-
-    def recv(self, timeout_s: float) -> Any | None:
-        """One valid message, or None on timeout (refused frames are skipped)."""
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        return self._parse(self.sock.recv_multipart())
-
-    def close(self) -> None:
-        self.sock.close(0)
 
 
 class DataPusher(_Channel):
@@ -151,9 +153,6 @@ class ControlPublisher(_Channel):
         with self._lock:
             self.sock.send_multipart(self._frames(msg))
 
-    def close(self) -> None:
-        self.sock.close(0)
-
 
 class ControlSubscriber(_Channel):
     """Rollout side of the control channel (connects)."""
@@ -165,11 +164,3 @@ class ControlSubscriber(_Channel):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(addr)
-
-    def recv(self, timeout_s: float) -> Any | None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        return self._parse(self.sock.recv_multipart())
-
-    def close(self) -> None:
-        self.sock.close(0)
