@@ -70,8 +70,15 @@ def test_killed_server_mid_run_loses_no_episode(tiny_model_dir) -> None:
             if isinstance(msg, TrajectoryGroup):
                 buf.put(msg)
                 if not killed and manager.in_flight().get("s0", 0) > 0:
-                    await servers["s0"].close()  # the engine dies with requests in flight
-                    killed = True
+                    # Pause first so no in-flight request can finish between the check and
+                    # the close; kill only if some are verifiably still inside the engine.
+                    engine = servers["s0"].engine
+                    await engine.pause()
+                    if engine.metrics()["inflight_calls"] > 0:
+                        await servers["s0"].close()  # the engine dies with requests in flight
+                        killed = True
+                    else:
+                        await engine.resume()
             elif isinstance(msg, RolloutStats) and msg.kind == "final":
                 final = msg
             batch = buf.pop_batch(v, 2)
