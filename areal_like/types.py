@@ -52,6 +52,9 @@ class SamplingParams(_Strict):
     """Upper bound on generated tokens for this request."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Generation stops after emitting any of these ids (the id is kept)."""
+    ignore_eos: bool = False
+    """Keep decoding past the model's end-of-sequence token (vLLM's `ignore_eos`);
+    `stop_token_ids` still stop. Benchmarks use it to force response lengths."""
     seed: int | None = None
     """Per-request seed; randomness is a function of (seed, position) so resumed
     requests draw the same numbers they would have drawn uninterrupted."""

@@ -341,7 +341,8 @@ class EmbeddedEngine(Engine):
             params=sampling_params,
             stream=mix_seed(seed, 0),
             max_len=min(len(ids) + sampling_params.max_tokens, self.max_seq_len),
-            stop_ids=self.eos_token_ids | frozenset(sampling_params.stop_token_ids),
+            stop_ids=(frozenset() if sampling_params.ignore_eos else self.eos_token_ids)
+            | frozenset(sampling_params.stop_token_ids),
         )
         self._by_id[request_id] = seq
         self._waiting.append(seq)

@@ -165,6 +165,19 @@ def test_stop_tokens_max_tokens_and_max_seq_len(tiny_model_dir):
     assert res["cap"].stop_reason == "length" and len(res["cap"].token_ids) == 128 - 120
 
 
+def test_ignore_eos_decodes_past_the_models_eos(tiny_model_dir):
+    free = make_engine(tiny_model_dir, eos_token_ids=[])
+    free.add_request("free", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12))
+    ref = run_all(free)["free"].token_ids
+    eos = ref[2]  # pretend the model's eos is a token greedy decoding emits early
+    engine = make_engine(tiny_model_dir, eos_token_ids=[eos])
+    engine.add_request("eos", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12))
+    engine.add_request("ign", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    res = run_all(engine)
+    assert res["eos"].stop_reason == "stop" and res["eos"].token_ids == ref[: ref.index(eos) + 1]
+    assert res["ign"].stop_reason == "length" and res["ign"].token_ids == ref
+
+
 def test_abort_returns_partial_tokens(tiny_model_dir):
     engine = make_engine(tiny_model_dir, eos_token_ids=[])
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, seed=0))
