@@ -95,6 +95,7 @@ class RolloutController:
         """Trainer version when this rollout side started: episode ids stay unique across resumes."""
         self._sending: set[str] = set()
         self._eval_tasks: list[asyncio.Task[None]] = []
+        self._evaluated: set[int] = set()
         gate.set_loaded_version(loaded_version)
 
     # ---- the schedule ---------------------------------------------------------------
@@ -102,8 +103,8 @@ class RolloutController:
         await self._first_announcement()
         control = asyncio.create_task(self._control_loop(), name="rollout-control")
         stats = asyncio.create_task(self._stats_loop(), name="rollout-stats")
-        if self.eval_every and self.eval_rows:
-            self._eval_tasks.append(asyncio.create_task(self._evaluate(self.loaded_version)))
+        if self.eval_every:
+            self._start_eval(self.loaded_version)
         try:
             while not self._stop.is_set():
                 while not self._stop.is_set() and self.gate.try_admit(self.n):
@@ -207,9 +208,10 @@ class RolloutController:
             else:
                 self.loaded_version = version
                 self.gate.set_loaded_version(version)
-                if self.eval_every and self.eval_rows and version % self.eval_every == 0:
-                    self._eval_tasks.append(asyncio.create_task(self._evaluate(version)))
+                if self.eval_every and version % self.eval_every == 0:
+                    self._start_eval(version)
         if ann.stop:
+            self._start_eval(self.loaded_version)  # the final version is always evaluated
             self.stop()
         self._wake.set()
 
@@ -235,6 +237,11 @@ class RolloutController:
         while True:
             await asyncio.sleep(self.stats_every_s)
             await self.send(self._stats())
+
+    def _start_eval(self, version: int) -> None:
+        if self.eval_rows and version not in self._evaluated:
+            self._evaluated.add(version)
+            self._eval_tasks.append(asyncio.create_task(self._evaluate(version)))
 
     async def _evaluate(self, version: int) -> None:
         """Sampled accuracy on held-out rows with the weights of `version` (not trained on)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from areal_like.buffer import TrajectoryBuffer
 from areal_like.dataset import PromptSource
 from areal_like.rollout_controller import RolloutController
@@ -70,7 +72,8 @@ def _meta(v: int) -> WeightUpdateMeta:
     return WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="x")
 
 
-async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, reject_rate: float = 0.05, fail_update_at: int = -1):
+async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, reject_rate: float = 0.05, fail_update_at: int = -1,
+               eval_every: int = 4):
     n, gps = 4, 2
     fake = FakeRollout(seed, fail_rate, reject_rate)
     gate = StalenessGate(n * gps, eta, max_concurrent=32)
@@ -90,7 +93,7 @@ async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, re
         send=send,
         apply_weights=fake.apply_weights,
         eval_rows=_rows(6),
-        eval_every=4,
+        eval_every=eval_every,
         seed=seed,
         stats_every_s=0.05,
     )
@@ -150,3 +153,9 @@ def test_evaluations_reported_per_version() -> None:
     assert 0 in versions and 4 in versions
     assert 12 in versions  # the last version's evaluation finishes before the rollout side stops
     assert all(0.0 <= e.metrics["accuracy"] <= 1.0 and e.metrics["num_samples"] == 6 for e in evals)
+
+
+@pytest.mark.parametrize(("every", "expected"), [(0, [12]), (5, [0, 5, 10, 12])])
+def test_final_version_is_always_evaluated(every: int, expected: list[int]) -> None:
+    _, _, _, evals, _ = asyncio.run(_run(2, seed=4, eval_every=every))
+    assert sorted(e.loaded_version for e in evals) == expected
