@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rollout_cluster.tools import PythonTool, call_tool
+from rollout_cluster.tools import PythonTool, call_tool, python_tool
 from rollout_cluster.tools.python_tool import network_isolation_command
 
 TOOL = PythonTool(
@@ -79,3 +79,150 @@ def test_no_network() -> None:
     out = run(code)
     # In a fresh network namespace even loopback is down: unreachable, not refused.
     assert "Network is unreachable" in out or "Cannot assign requested address" in out
+
+
+# ---- process-count limit: fork bombs are bounded per call and cleaned up ---------------
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _system_python() -> str | None:
+    """An interpreter other uids can run (for the per-call-uid mode), if this host has one."""
+    for exe in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(exe) and python_tool._world_reachable(exe):
+            return exe
+    return None
+
+
+MODES = ["native", "watchdog"] + (["uid"] if os.geteuid() == 0 and _system_python() else [])
+
+
+@pytest.fixture(params=MODES)
+def limit_mode(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way of enforcing the process limit this host supports: what the host picks by
+    itself, the non-root watchdog, and (as root with a world-readable interpreter) per-call uids."""
+    if request.param == "watchdog":
+        monkeypatch.setattr(python_tool, "_limit_mode", ("watchdog", None))
+    elif request.param == "uid":
+        monkeypatch.setattr(python_tool.sys, "executable", _system_python())
+        monkeypatch.setattr(python_tool, "_drop_ok", True)
+        monkeypatch.setattr(python_tool, "_limit_mode", ("uid", None))
+    return python_tool.process_limit_mode()[0]
+
+
+@pytest.fixture
+def pid_log():
+    """A file every process of the call can append its pid to (it may run under its own uid)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="areal_pid_log_")
+    os.chmod(d, 0o777)
+    yield os.path.join(d, "log")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _logged(log: str) -> set[int]:
+    if not os.path.exists(log):
+        return set()
+    return {int(x) for x in open(log).read().split() if x.strip().isdigit()}
+
+
+def test_process_count_is_limited_per_call(pid_log: str, limit_mode: str) -> None:
+    """Children that sleep (and leave the session with setsid) count against the call's
+    limit; the call returns and none of them outlives it."""
+    log = pid_log
+    code = (
+        "import os, time\n"
+        "n = 0\n"
+        "for _ in range(64):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        os.setsid()\n"
+        f"        open({log!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    n += 1\n"
+        "    time.sleep(0.01)\n"
+        "print('forked', n, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    tool = PythonTool("python", config={"wall_s": 3, "max_processes": 6, "cpu_s": 2})
+    start = time.perf_counter()
+    out = run(code, tool)
+    assert time.perf_counter() - start < 15
+    if limit_mode == "watchdog":  # killed when the count went over
+        assert "more than 6 processes" in out, out
+    else:  # the kernel refused the 7th process of the call
+        assert "forked 5" in out, out
+    time.sleep(0.3)
+    pids = _logged(log)
+    assert pids
+    assert not [p for p in pids if _alive(p)], "children of the call outlived it"
+
+
+def test_fork_bomb_is_survived_and_cleaned_up(pid_log: str, limit_mode: str) -> None:
+    log = pid_log
+    code = (
+        "import os\n"
+        "while True:\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        f"            open({log!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    tool = PythonTool("python", config={"wall_s": 2, "max_processes": 8, "cpu_s": 2})
+    start = time.perf_counter()
+    out = run(code, tool)
+    assert time.perf_counter() - start < 20
+    assert "killed" in out, out
+    time.sleep(0.3)
+    assert _logged(log), "the bomb never forked"
+    assert not [p for p in _logged(log) if _alive(p)], "fork bomb processes survived the call"
+    assert run("print(1)", tool) == "1\n"  # the tool still works afterwards
+
+
+def test_concurrent_calls_do_not_share_the_process_budget(limit_mode: str) -> None:
+    code = (
+        "import os, time\n"
+        "kids = []\n"
+        "for _ in range(3):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        time.sleep(0.5); os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "for k in kids: os.waitpid(k, 0)\n"
+        "print('ok')\n"
+    )
+    tool = PythonTool("python", config={"wall_s": 8, "max_processes": 4})
+
+    async def many() -> list[str]:
+        return [r.text for r in await asyncio.gather(*(tool.execute(str(i), {"code": code}) for i in range(6)))]
+
+    assert asyncio.run(many()) == ["ok\n"] * 6
+
+
+def test_cgroup_is_removed_after_the_call() -> None:
+    mode, base = python_tool.process_limit_mode()
+    if mode != "cgroup":
+        pytest.skip(f"this host enforces the process limit by {mode}")
+    run("import os\nif os.fork() == 0:\n    import time; time.sleep(30)\nprint('x')")
+    assert not [p for p in base.iterdir() if p.name.startswith(f"areal_py_{os.getpid()}_")]
+
+
+def test_file_size_limit() -> None:
+    tool = PythonTool("python", config={"file_size_mb": 1, "wall_s": 5})
+    out = run("f = open('big', 'wb')\nf.write(b'x' * (2 << 20))\nf.close()\nprint('wrote')", tool)
+    assert "wrote" not in out and ("SIGXFSZ" in out or "File too large" in out), out
+
+
+def test_non_string_code_is_refused() -> None:
+    assert "must be a string" in asyncio.run(TOOL.execute("i", {"code": ["print(1)"]})).text
