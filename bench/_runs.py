@@ -1,0 +1,150 @@
+"""Shared by the run-level benchmarks: launch one `areal-like run` in its own session,
+watch the CPU that *other* processes use meanwhile, and summarise its metrics.
+
+Each contender runs as a fresh `python -m areal_like.cli run ...` (its own Ray, its
+own engines), so runs cannot leak state into each other. The machines these run on
+are shared: a background process halves throughput on 2 cores. `CpuMonitor` samples
+every second the busy CPU time of the whole machine and of the run's own session
+(the CLI and every process it started, Ray's included) and reports the difference
+as the cores other processes took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _busy(t: Any) -> float:
+    return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+class CpuMonitor:
+    """Cores used by processes outside session `sid` (and their own cores), sampled each second."""
+
+    def __init__(self, sid: int, interval_s: float = 1.0) -> None:
+        self.sid, self.interval_s = sid, interval_s
+        self._cpu: dict[int, float] = {}
+        self._stop = threading.Event()
+        self.other_s = 0.0
+        self.own_s = 0.0
+        self.wall_s = 0.0
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _own(self) -> float:
+        total = 0.0
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.pid) != self.sid:
+                    continue
+                t = p.cpu_times()
+                self._cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+        # Processes that exited keep their last reading, so the sum never goes back.
+        total = sum(self._cpu.values())
+        return total
+
+    def _loop(self) -> None:
+        t0, sys0, own0 = time.time(), _busy(psutil.cpu_times()), self._own()
+        while not self._stop.wait(self.interval_s):
+            t1, sys1, own1 = time.time(), _busy(psutil.cpu_times()), self._own()
+            d_own = max(0.0, own1 - own0)
+            self.own_s += d_own
+            self.other_s += max(0.0, (sys1 - sys0) - d_own)
+            self.wall_s += t1 - t0
+            t0, sys0, own0 = t1, sys1, own1
+
+    def __enter__(self) -> CpuMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> dict[str, float]:
+        w = max(self.wall_s, 1e-9)
+        return {"other_cores": round(self.other_s / w, 3), "own_cores": round(self.own_s / w, 3)}
+
+
+def run_cli(config: str, sets: list[str], run_dir: Path, *, env: dict[str, str] | None = None,
+            timeout_s: float = 1800, log: Any = None) -> dict[str, float]:
+    """`areal-like run CONFIG --set ...` in a new session; returns the CPU monitor's result.
+
+    Raises RuntimeError with the tail of the output when the run fails.
+    """
+    args = [sys.executable, "-m", "areal_like.cli", "run", config, "--overwrite"]
+    for s in [*sets, f"run.dir={run_dir}"]:
+        args += ["--set", s]
+    full_env = {**os.environ, **RAY_ENV, **(env or {})}
+    out_path = run_dir.parent / f"{run_dir.name}.log"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w") as out:
+        p = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        with CpuMonitor(p.pid) as mon:
+            try:
+                rc = p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 15)
+                p.wait()
+                rc = -1
+    if rc != 0:
+        tail = out_path.read_text()[-3000:]
+        raise RuntimeError(f"run {run_dir} failed (exit {rc}); log {out_path}:\n{tail}")
+    return mon.result()
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def summarise(run_dir: Path, *, skip_steps: int = 2, tail_steps: int = 5) -> dict[str, Any]:
+    """Throughput after warm-up, wall time to the last step, reward at the end, phase times."""
+    recs = records(run_dir)
+    steps = [r for r in recs if r["kind"] == "train_step" and not r.get("skipped")]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    summary = next((r for r in reversed(recs) if r["kind"] == "summary"), {})
+    t_start = recs[0]["time"]
+    warm = steps[skip_steps:] if len(steps) > skip_steps + 1 else steps
+    t_warm0 = steps[skip_steps - 1]["time"] if len(steps) > skip_steps + 1 and skip_steps > 0 else t_start
+    samples = sum(r["samples"] for r in warm)
+    wall_warm = warm[-1]["time"] - t_warm0
+    tail = steps[-min(tail_steps, len(steps)):]
+    # Per-step phases: T = training + publishing the weights; R = the rest of the gap
+    # between steps (waiting for the batch: the rollout phase when η = 0).
+    gaps, trains = [], []
+    prev = t_warm0
+    for r in warm:
+        t = r.get("step_time_s", 0.0) + r.get("weight_sync_s", 0.0)  # step_time_s includes prox
+        gaps.append(r["time"] - prev)
+        trains.append(t)
+        prev = r["time"]
+    rollouts = [max(0.0, g - t) for g, t in zip(gaps, trains, strict=True)]
+    return {
+        "steps": len(steps),
+        "wall_s": round(steps[-1]["time"] - t_start, 2),
+        "samples_per_s": round(samples / max(wall_warm, 1e-9), 3),
+        "final_reward": round(statistics.mean(r["reward_mean"] for r in tail), 4),
+        "eval_accuracy": evals[-1].get("accuracy") if evals else None,
+        "max_version_lag": max(r["max_version_lag"] for r in steps),
+        "mean_version_lag": round(statistics.mean(r["mean_version_lag"] for r in warm), 3),
+        "response_len_mean": round(statistics.mean(r["response_len_mean"] for r in warm), 1),
+        "train_phase_s": round(statistics.median(trains), 3),
+        "rollout_phase_s": round(statistics.median(rollouts), 3),
+        "trainer_idle_ratio": round(steps[-1].get("trainer_idle_ratio", 0.0), 3),
+        "counts_add_up": summary.get("counts_add_up"),
+    }

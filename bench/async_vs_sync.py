@@ -1,0 +1,188 @@
+"""Asynchronous vs synchronous RL on the quickstart task with long-tailed responses.
+
+Same model, same data, same number of train steps and samples per step, same pools
+(rollout pool 1 CPU with 1 torch thread, train pool 1 CPU with 1 torch thread), only
+η differs: η = 0 is synchronous RL (the rollout waits for the trainer and the trainer
+for the rollout), η ≥ 1 lets them overlap. The response lengths are long-tailed
+(`bench/long_tail_loop.py`: each episode decodes Pareto-distributed extra tokens
+after its answer, masked out of the loss), as in reasoning workloads.
+
+Reported per η: trained samples per second after warm-up, wall time to the last
+step, final train reward, held-out accuracy, version lag. From the η = 0 run: the
+median phase times per step, rollout R (waiting for the batch) and train T (train
+step + weight publish), and the overlap ideal (R + T) / max(R, T): what perfect
+overlap of two equal pools could give. `fraction_of_overlap_ideal` is the measured
+η = 2 speedup divided by that ideal. Contenders alternate within each repeat, and
+the CPU other processes used during each run is reported (shared machines).
+
+    python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 16] [--repeats 2]
+
+Progress on stderr; the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runs import ROOT, run_cli, summarise  # noqa: E402
+
+log = logging.getLogger("bench.async_vs_sync")
+
+
+LOOP = "bench/long_tail_loop.py:LongTailToolLoop"
+
+
+def write_dataset(out: Path, seed: int) -> tuple[Path, Path]:
+    """The quickstart's generated rows as JSONL, training rows routed to the long-tail loop
+    (held-out rows keep the plain tool loop: evaluation measures the answer only)."""
+    from areal_like.config import DatasetConfig
+    from areal_like.dataset import load_rows
+
+    cfg = DatasetConfig(type="generated", form="tool")
+    out.mkdir(parents=True, exist_ok=True)
+    train, held = out / "train.jsonl", out / "eval.jsonl"
+    with open(train, "w") as f:
+        for row in load_rows(cfg, "train", seed):
+            f.write(json.dumps({**row, "agent_name": LOOP}) + "\n")
+    with open(held, "w") as f:
+        for row in load_rows(cfg, "eval", seed):
+            f.write(json.dumps(row) + "\n")
+    return train, held
+
+
+def sets_for(eta: int, steps: int, seed: int, data: tuple[Path, Path]) -> list[str]:
+    return [
+        "dataset.type=jsonl",
+        f"dataset.path={data[0]}",
+        f"dataset.eval_path={data[1]}",
+        f"staleness.max_staleness={eta}",
+        f"train.total_steps={steps}",
+        f"run.seed={seed}",
+        "run.checkpoint_every_n_steps=1000",
+        # Filtering uniform groups would make the sync baseline regenerate groups:
+        # keep both sides on exactly the same samples per step.
+        "staleness.filter_uniform_groups=false",
+        "rollout.engine.max_seq_len=512",
+        "rollout.server_threads=1",
+        "train.backend.threads=1",
+        "cluster.rollout_pool.num_cpus=1",
+        "cluster.train_pool.num_cpus=1",
+        "eval.every_n_steps=0",
+        "eval.num_samples=64",
+        "metrics.dashboard_port=0",
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--etas", default="0,1,2,4")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default="configs/quickstart.yaml")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench_async_vs_sync"))
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    etas = [int(x) for x in args.etas.split(",")]
+    if 0 not in etas or 2 not in etas:
+        ap.error("--etas must include 0 and 2 (the speedup is η=2 over η=0)")
+    out = Path(args.out)
+    data = write_dataset(out / "data", args.seed)
+    runs: dict[int, list[dict]] = {e: [] for e in etas}
+    t_all = time.time()
+    total = len(etas) * args.repeats
+    done = 0
+    for rep in range(args.repeats):
+        order = etas if rep % 2 == 0 else list(reversed(etas))  # alternate who goes first
+        for eta in order:
+            run_dir = out / f"eta{eta}_rep{rep}"
+            log.info("[%d/%d] η=%d repeat %d ...", done + 1, total, eta, rep)
+            cpu = run_cli(args.config, sets_for(eta, args.steps, args.seed, data), run_dir)
+            s = {"eta": eta, "repeat": rep, **summarise(run_dir), **cpu}
+            runs[eta].append(s)
+            done += 1
+            log.info("    η=%d: %.2f samples/s, %.1f s to step %d, reward %.3f, lag max %d, other CPU %.2f cores",
+                     eta, s["samples_per_s"], s["wall_s"], s["steps"], s["final_reward"], s["max_version_lag"],
+                     s["other_cores"])
+
+    def med(eta: int, key: str) -> float:
+        vals = [r[key] for r in runs[eta] if r.get(key) is not None]
+        return statistics.median(vals) if vals else float("nan")
+
+    table = []
+    for eta in etas:
+        table.append({
+            "eta": eta,
+            "samples_per_s": med(eta, "samples_per_s"),
+            "wall_s": med(eta, "wall_s"),
+            "final_reward": med(eta, "final_reward"),
+            "eval_accuracy": med(eta, "eval_accuracy"),
+            "max_version_lag": max(r["max_version_lag"] for r in runs[eta]),
+            "mean_version_lag": med(eta, "mean_version_lag"),
+            "response_len_mean": med(eta, "response_len_mean"),
+            "other_cores": med(eta, "other_cores"),
+        })
+    r_phase, t_phase = med(0, "rollout_phase_s"), med(0, "train_phase_s")
+    ideal = (r_phase + t_phase) / max(r_phase, t_phase, 1e-9)
+    speedup = med(2, "samples_per_s") / max(med(0, "samples_per_s"), 1e-9)
+    print(f"\n{'η':>3} {'samples/s':>10} {'wall s':>8} {'reward':>7} {'eval acc':>8} {'lag max':>7} "
+          f"{'resp len':>8} {'other CPU':>9}", file=sys.stderr)
+    for row in table:
+        print(f"{row['eta']:>3} {row['samples_per_s']:>10.2f} {row['wall_s']:>8.1f} {row['final_reward']:>7.3f} "
+              f"{row['eval_accuracy']:>8.3f} {row['max_version_lag']:>7d} {row['response_len_mean']:>8.1f} "
+              f"{row['other_cores']:>9.2f}", file=sys.stderr)
+    print(f"sync phases (η=0, median per step): rollout R={r_phase:.2f}s train T={t_phase:.2f}s -> "
+          f"overlap ideal {ideal:.2f}x; η=2 speedup {speedup:.2f}x ({speedup / ideal:.2f} of ideal)",
+          file=sys.stderr)
+    _plot(table, out / "async_vs_sync.png")
+    result = {
+        "benchmark": "async_vs_sync",
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "table": table,
+        "sync_rollout_phase_s": round(r_phase, 3),
+        "sync_train_phase_s": round(t_phase, 3),
+        "overlap_ideal": round(ideal, 3),
+        "speedup_eta2_vs_eta0": round(speedup, 3),
+        "fraction_of_overlap_ideal": round(speedup / ideal, 3),
+        "speedup_by_eta": {str(e): round(med(e, "samples_per_s") / max(med(0, "samples_per_s"), 1e-9), 3)
+                           for e in etas},
+        "runs": [r for e in etas for r in runs[e]],
+        "total_s": round(time.time() - t_all, 1),
+        "plot": str(out / "async_vs_sync.png"),
+    }
+    print(json.dumps(result))
+
+
+def _plot(table: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    etas = [r["eta"] for r in table]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax[0].bar(range(len(etas)), [r["samples_per_s"] for r in table])
+    ax[0].set_xticks(range(len(etas)), [str(e) for e in etas])
+    ax[0].set_xlabel("η (0 = synchronous)")
+    ax[0].set_ylabel("trained samples / s")
+    ax[0].set_title("throughput, long-tailed responses")
+    ax[1].plot(etas, [r["final_reward"] for r in table], "o-", label="final train reward")
+    ax[1].plot(etas, [r["eval_accuracy"] for r in table], "s-", label="held-out accuracy")
+    ax[1].set_xlabel("η")
+    ax[1].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
