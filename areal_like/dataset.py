@@ -45,15 +45,25 @@ def normalise_row(row: Any, where: str) -> dict[str, Any]:
             raise DatasetError(f"{where}: empty prompt")
     else:
         raise DatasetError(f"{where}: 'prompt' must be a non-empty string or list of chat messages")
+    if row["answer"] is None:
+        raise DatasetError(f"{where}: 'answer' is null; rows need a ground-truth answer")
+    try:
+        answer = row["answer"] if isinstance(row["answer"], str) else json.dumps(row["answer"], allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise DatasetError(f"{where}: 'answer' must be a string or plain JSON value: {e}") from None
     out = {
         "prompt": prompt,
-        "answer": row["answer"] if isinstance(row["answer"], str) else json.dumps(row["answer"]),
+        "answer": answer,
         "agent_name": row.get("agent_name"),
         "data_source": row.get("data_source", "unknown"),
         "extra": row.get("extra") or {},
     }
     if out["agent_name"] is not None and not isinstance(out["agent_name"], str):
         raise DatasetError(f"{where}: 'agent_name' must be a string")
+    if not isinstance(out["data_source"], str):
+        raise DatasetError(f"{where}: 'data_source' must be a string")
+    if not isinstance(out["extra"], dict):
+        raise DatasetError(f"{where}: 'extra' must be an object")
     return out
 
 
@@ -64,7 +74,10 @@ def _read_file(kind: str, path: str) -> list[tuple[str, Any]]:
             import datasets  # optional: only for local HF datasets
         except ImportError:
             raise DatasetError("dataset.type=hf_disk needs the `datasets` package (pip install datasets)") from None
-        ds = datasets.load_from_disk(str(p))
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except Exception as e:  # missing folder, not a dataset, version mismatch
+            raise DatasetError(f"{p}: cannot load a local HF dataset: {e}") from None
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"]
         return [(f"{p}[{i}]", r) for i, r in enumerate(ds)]
@@ -72,13 +85,19 @@ def _read_file(kind: str, path: str) -> list[tuple[str, Any]]:
         raise DatasetError(f"dataset file {p} does not exist")
     if kind == "jsonl":
         rows = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
+        for n, raw in enumerate(p.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{p}:{n}: not valid UTF-8: {e}") from None
             if not line.strip():
                 continue
             try:
                 rows.append((f"{p}:{n}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{p}:{n}: not valid JSON: {e}") from None
+            except RecursionError:
+                raise DatasetError(f"{p}:{n}: not valid JSON: nested too deeply") from None
         return rows
     if kind == "parquet":
         import pyarrow.parquet as pq

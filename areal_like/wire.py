@@ -8,7 +8,8 @@ thousand msgpack integers. Any numpy array in a body travels the same way, which
 how tensors move (`TensorBundle`).
 
 Decoding is defensive: a frame over ``max_bytes``, bytes that are not msgpack, an
-unknown type, an array whose byte count disagrees with its dtype and shape, or a
+unknown type, nesting deeper than ``_MAX_DEPTH``, an array whose byte count
+disagrees with its dtype and shape (checked before anything is allocated), or a
 body that fails validation raises `WireError` with a message saying which. The
 receiver catches it, counts it, and keeps running.
 """
@@ -61,6 +62,9 @@ _ARRAY_FIELDS = {
 }
 _ND = "__nd__"
 _MAX_NDIM = 8
+# No message nests deeper than a few levels; a deeper frame is refused before Python's
+# recursion limit (msgpack itself allows ~1000 levels) could turn it into a crash.
+_MAX_DEPTH = 32
 
 
 class WireError(ValueError):
@@ -134,16 +138,18 @@ def _unpack_array(spec: Any) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def _from_wire(obj: Any, want_lists: bool) -> Any:
+def _from_wire(obj: Any, want_lists: bool, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        raise WireError(f"frame nests deeper than {_MAX_DEPTH} levels")
     if isinstance(obj, dict):
         if _ND in obj:
             if len(obj) != 1:
                 raise WireError("array entry has extra keys")
             arr = _unpack_array(obj[_ND])
             return arr.tolist() if want_lists else arr
-        return {k: _from_wire(v, want_lists) for k, v in obj.items()}
+        return {k: _from_wire(v, want_lists, depth + 1) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_from_wire(v, want_lists) for v in obj]
+        return [_from_wire(v, want_lists, depth + 1) for v in obj]
     return obj
 
 

@@ -18,6 +18,8 @@ contains an assistant turn is re-tokenized, counted in `retokenize_fallbacks` an
 logged.
 
 The request/response translation is pure functions, tested without a socket.
+The API binds loopback by default; any other address needs an `api_key`, then
+required as `Authorization: Bearer <key>` on every path except `/health`.
 """
 
 from __future__ import annotations
@@ -281,6 +283,11 @@ def prometheus_text(metrics: dict[str, float], prefix: str = "areal_rollout_") -
     return "\n".join(lines) + "\n"
 
 
+def _is_loopback_host(host: str) -> bool:
+    h = host.strip("[]")
+    return h in ("localhost", "::1") or h.startswith("127.")
+
+
 def _error(status: int, message: str, code: str | None = None) -> web.Response:
     from aiohttp import web
 
@@ -310,8 +317,14 @@ class HttpServer:
         return app
 
     async def start(self, host: str, port: int) -> str:
+        """Bind and serve. A host beyond loopback needs an `api_key` (DESIGN.md §9.7)."""
         from aiohttp import web
 
+        if not _is_loopback_host(host) and not self.api_key:
+            raise PermissionError(
+                f"refusing to serve the rollout HTTP API on {host!r} without an api_key "
+                "(only 127.0.0.1 / localhost / ::1 may go without one)"
+            )
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)

@@ -12,7 +12,10 @@ metrics (`output.metrics`). Built-in rewards are chosen by name from
 `BUILTIN_REWARDS`; user code is `file.py:fn` / `pkg.mod:fn` via the loader.
 
 A timed-out sync reward keeps its thread busy until it returns (threads cannot be
-killed); it no longer blocks the episode or the loop.
+killed); it no longer blocks the episode or the loop. Each sync call gets its own
+daemon thread, not a slot of the loop's shared executor: rewards that hang forever
+can neither starve the other `to_thread` users (tools, weight loading) nor hold up
+the loop's or the interpreter's shutdown.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from areal_like.tasks.arithmetic import arithmetic_reward
 from rollout_cluster.loader import UserCodeError, is_user_code_spec, load_object
@@ -74,8 +81,7 @@ async def compute_reward(
         if inspect.iscoroutinefunction(fn):
             value = await asyncio.wait_for(fn(sample, output), timeout=timeout_s)
         else:
-            loop = asyncio.get_running_loop()
-            value = await asyncio.wait_for(loop.run_in_executor(None, fn, sample, output), timeout=timeout_s)
+            value = await asyncio.wait_for(_in_daemon_thread(fn, sample, output), timeout=timeout_s)
     except asyncio.TimeoutError:
         raise RewardError("timeout", f"{name} took longer than {timeout_s:g}s") from None
     except Exception as e:
@@ -95,4 +101,29 @@ async def compute_reward(
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float))  # bool included: a pass/fail reward is a number
+    # bool included (a pass/fail reward is a number), numpy scalars too; not complex.
+    return isinstance(v, (numbers.Real, np.bool_))
+
+
+def _in_daemon_thread(fn: RewardFn, *args: Any) -> asyncio.Future:
+    """Run `fn(*args)` in a fresh daemon thread; a future for its result."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():  # cancelled by the timeout meanwhile
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def target() -> None:
+        try:
+            result: Any = fn(*args)
+            ok = True
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting episode
+            result, ok = e, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, result)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            pass
+
+    threading.Thread(target=target, name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return fut

@@ -70,9 +70,11 @@ class HermesToolParser(ToolParser):
         if not closed:
             return ToolCall("", {}, raw, "tool call is missing its closing </tool_call> tag")
         try:
-            obj = json.loads(raw)
+            obj = _loads(raw)
         except json.JSONDecodeError as e:
             return ToolCall("", {}, raw, f"tool call is not valid JSON: {e.msg} at position {e.pos}")
+        except (RecursionError, ValueError) as e:  # adversarial nesting, NaN/Infinity
+            return ToolCall("", {}, raw, f"tool call is not valid JSON: {_why(e)}")
         if not isinstance(obj, dict):
             return ToolCall("", {}, raw, "tool call must be a JSON object with 'name' and 'arguments'")
         name = obj.get("name")
@@ -81,12 +83,27 @@ class HermesToolParser(ToolParser):
         args = obj.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
+                args = _loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
                 return ToolCall(name, {}, raw, f"'arguments' string is not valid JSON: {e.msg}")
+            except (RecursionError, ValueError) as e:
+                return ToolCall(name, {}, raw, f"'arguments' string is not valid JSON: {_why(e)}")
         if not isinstance(args, dict):
             return ToolCall(name, {}, raw, "'arguments' must be a JSON object")
         return ToolCall(name, args, raw)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def _loads(text: str) -> Any:
+    """Strict JSON: no NaN/Infinity (model output is untrusted; deep nesting is caught by callers)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _why(e: Exception) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
