@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
@@ -58,7 +58,9 @@ class _Section(BaseModel):
 
 class RunConfig(_Section):
     dir: str = "runs/quickstart"
-    """Run folder: config, metrics.jsonl, trajectories, weights, checkpoints, final model."""
+    """Run folder: config, metrics.jsonl, trajectories, weights, checkpoints, final model.
+    A folder of its own: the filesystem root, the home folder and the current folder or
+    any of its parents are refused (`--overwrite` deletes the run folder)."""
     seed: int = 0
     """Seeds Python, numpy, torch, the dataset order and the engines' sampling."""
     record_trajectories: bool = False
@@ -69,6 +71,24 @@ class RunConfig(_Section):
     """Save a resumable checkpoint every N train steps (and at the end)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Python logging level for every process of the run."""
+
+    @field_validator("dir")
+    @classmethod
+    def _own_folder(cls, v: str) -> str:
+        if not v.strip() or "\x00" in v:
+            raise ValueError("must be a non-empty path")
+        target = Path(v).expanduser().resolve()
+        cwd = Path.cwd().resolve()
+        try:
+            home: Path | None = Path.home().resolve()
+        except (RuntimeError, KeyError):
+            home = None
+        if target == Path(target.anchor) or target == home or cwd == target or cwd.is_relative_to(target):
+            raise ValueError(
+                f"{v!r} is {target}, which holds more than this run (the filesystem root, the home folder, "
+                "or the current folder or one of its parents); --overwrite would delete it"
+            )
+        return v
 
 
 class ModelConfig(_Section):
