@@ -73,6 +73,7 @@ def run(
     """Run both clusters on this machine (embedded Ray, one placement group per pool)."""
     from areal_like.launch import check_resources, resolve_model_path, run_both
     from areal_like.run_dir import RunDirError
+    from areal_like.trainer_controller import RunAborted
 
     cfg = _load(config, set_)
     try:
@@ -81,6 +82,8 @@ def run(
         summary = run_both(cfg, resume=resume, overwrite=overwrite, on_start=_print_start, on_step=_progress(cfg))
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
+    except RunAborted as e:
+        _fail(str(e), code=1)
     typer.echo(f"done: {summary}")
     typer.echo(f"run folder: {cfg.run.dir}  (areal-like report {cfg.run.dir})")
 
@@ -116,6 +119,7 @@ def train(
 
     from areal_like.launch import TrainerSide, ray_env
     from areal_like.run_dir import RunDirError
+    from areal_like.trainer_controller import RunAborted
 
     cfg = _load(config, set_)
     for k, v in ray_env().items():
@@ -132,6 +136,8 @@ def train(
             ray.shutdown()
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
+    except RunAborted as e:
+        _fail(str(e), code=1)
     typer.echo(f"done: {summary}")
 
 

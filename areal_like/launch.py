@@ -398,6 +398,9 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     data_addr, control_addr = trainer.addresses
     rollout = ray.remote(_rollout_actor_main).options(
         num_cpus=rp.num_cpus, num_gpus=rp.num_gpus,
+        # A rerun would start from the base weights and a fresh count while the trainer
+        # goes on: a dead rollout side stops the run instead (checkpoint, then --resume).
+        max_retries=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg_roll),
     )
     if on_start is not None:
@@ -414,7 +417,8 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
             try:
                 out = ray.get(ref)
             except Exception as e:
-                raise RuntimeError(f"the rollout side died: {e}") from e
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise RuntimeError(f"the rollout side died ({type(e).__name__}: {first})") from e
             raise RuntimeError(f"the rollout side stopped before the trainer finished: {out}")
 
     trainer.check_peers = check_rollout

@@ -17,6 +17,7 @@ handed a `TrainerHandle` and a `WeightPublisher`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -32,9 +33,20 @@ from areal_like.metrics import MetricsLog, MetricsRegistry
 from areal_like.run_dir import RunDir
 from areal_like.types import RolloutStats, Trajectory, TrajectoryGroup, VersionAnnouncement, WeightUpdateMeta
 
-__all__ = ["TrainerController", "TrainerHandle", "WeightPublisher"]
+__all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted"]
 
 log = logging.getLogger(__name__)
+
+
+class RunAborted(RuntimeError):
+    """The run stopped on a fault it cannot go on through (a dead train worker, a dead
+    rollout side, a full disk). The message says what happened and which checkpoint
+    `--resume` continues from."""
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT, also when a Ray worker raised it (the cause is in the message)."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
 
 
 class TrainerHandle(Protocol):
@@ -100,6 +112,10 @@ class TrainerController:
         self._resumed_sent_at = time.time()
         self._last_rollout: dict[str, float] = {}
         self._stopping = False
+        self._sent_at = time.time()
+        """When weights were last sent (a rollout report must come later to say it lags)."""
+        self._rollout_at = 0.0
+        """When the last rollout report (not an eval) arrived."""
 
     # ---- resume ----------------------------------------------------------------------
     def resume(self) -> None:
@@ -118,6 +134,20 @@ class TrainerController:
 
     # ---- the schedule ------------------------------------------------------------------
     def run(self) -> dict[str, int]:
+        """Train to `train.total_steps` and write the summary. A fault the run cannot go on
+        through raises `RunAborted`, saying which checkpoint `--resume` continues from."""
+        try:
+            return self._run()
+        except RunAborted:
+            raise
+        except Exception as e:
+            if _disk_full(e):
+                where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
+                raise RunAborted(f"no space left on device{where}: the run stopped at v{self.trainer.version}. "
+                                 f"Free some space, then: {self._resume_hint()}") from e
+            raise
+
+    def _run(self) -> dict[str, int]:
         cfg = self.cfg
         if self.trainer.version == 0 and cfg.run.record_weights:
             self.run_dir.record_weights(0, dict(self.trainer.named_weights()), self.model_path)
@@ -130,16 +160,39 @@ class TrainerController:
             if groups is None:
                 if self.resumed_meta is not None and self.rollout is None:
                     self._resend_resumed_weights()
+                self._resend_if_rollout_stuck()
                 self._announce(weights=self.resumed_meta if self.rollout is None else None)
                 if self.check_peers is not None:
-                    self.check_peers()
+                    try:
+                        self.check_peers()
+                    except Exception as e:  # the trainer's state is whole: save it before stopping
+                        self._abort_checkpoint()
+                        raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
                 continue
             self.idle_s += time.time() - t_wait
             t0 = time.time()
-            self._train(groups, v)
+            try:
+                self._train(groups, v)
+            except Exception as e:
+                if _disk_full(e):
+                    raise
+                log.error("the train step at v%d failed", v, exc_info=e)
+                raise RunAborted(f"the train step at v{v} failed: {e}; the run stopped: {self._resume_hint()}") from e
             self.busy_s += time.time() - t0
             t_wait = time.time()
         return self._finish()
+
+    def _abort_checkpoint(self) -> None:
+        try:
+            self.checkpoint()
+        except Exception as e:  # the periodic checkpoints are still there
+            log.error("could not write a checkpoint before stopping: %s", e)
+
+    def _resume_hint(self) -> str:
+        ckpt = self.run_dir.latest_checkpoint()
+        if ckpt is None:
+            return "there is no complete checkpoint to resume from"
+        return f"run the same command with --resume to continue from the checkpoint {ckpt}"
 
     def _resend_resumed_weights(self, every_s: float = 3.0) -> None:
         """After a resume the engines start from the base model. A dist transfer reaches
@@ -151,6 +204,31 @@ class TrainerController:
         self._resumed_sent_at = now
         self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
         self._announce(weights=self.resumed_meta, force=True)
+
+    def _resend_if_rollout_stuck(self) -> None:
+        """A rollout side that missed a version (its receiver stalled past the timeout, or
+        the transfer failed) keeps serving its old weights. Once it is more than η behind,
+        every sample it makes is over-stale, the trainer starves and no new version would
+        ever be sent: send the current weights again (after a report that came in at least
+        `weight_sync.timeout_s` after the last send, so a transfer still landing is not
+        sent twice)."""
+        r, cfg = self.rollout, self.cfg
+        if r is None or r.kind == "final" or self.trainer.version - r.loaded_version <= cfg.staleness.max_staleness:
+            return
+        if self._rollout_at - self._sent_at < cfg.weight_sync.timeout_s:
+            return
+        try:
+            self.weights.wait(timeout=0)
+        except Exception:  # the last transfer is still on the wire
+            return
+        v = self.trainer.version
+        log.warning("the rollout side still serves v%d, more than η=%d behind v%d (it missed a weight update): "
+                    "sending v%d again", r.loaded_version, cfg.staleness.max_staleness, v, v)
+        self.last_meta = self.weights.send(v, self.trainer.named_weights())
+        if cfg.run.record_weights and not self.run_dir.weights_dir(v).is_dir():
+            self.run_dir.record_weights(v, dict(self.trainer.named_weights()), self.model_path)
+        self._sent_at = time.time()
+        self._announce(weights=self.last_meta, force=True)
 
     def _train(self, groups: list[TrajectoryGroup], v: int) -> None:
         cfg = self.cfg
@@ -205,11 +283,16 @@ class TrainerController:
         if not skipped and (new_v % cfg.weight_sync.every_n_steps == 0 or new_v >= cfg.train.total_steps):
             t0 = time.time()
             meta = self.weights.send(new_v, self.trainer.named_weights())
+            self._sent_at = time.time()
             if cfg.run.record_weights:
                 self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
             self.last_meta = meta
             self._announce(weights=meta, force=True)
-            done = self.weights.wait(timeout=cfg.weight_sync.timeout_s)
+            try:
+                done = self.weights.wait(timeout=cfg.weight_sync.timeout_s)
+            except Exception as e:  # still on the wire (a stalled receiver): the next send waits for it
+                log.warning("weights v%d: %s; training goes on", new_v, e)
+                done = None
             rec["weight_sync_s"] = time.time() - t0
             if done is not None and getattr(done, "bytes", 0):
                 rec["weight_sync_bytes"] = done.bytes
@@ -266,6 +349,7 @@ class TrainerController:
                 log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.metrics.get("accuracy", float("nan")))
                 return
             self.rollout = msg
+            self._rollout_at = time.time()
             if msg.kind == "final":
                 self.final = msg
             self.m.server_version.labels(server="rollout").set(msg.loaded_version)
@@ -307,6 +391,7 @@ class TrainerController:
         v = self.trainer.version
         ckpt = self.run_dir.checkpoint_dir(v)
         ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "COMPLETE").unlink(missing_ok=True)  # rewriting v (a checkpoint before stopping)
         data_position = None
         if self.rollout is not None:
             data_position = {k[5:]: int(x) for k, x in self.rollout.metrics.items() if k.startswith("data_")}

@@ -28,9 +28,27 @@ import torch
 from areal_like.config import TorchBackendConfig, TrainConfig
 from train_cluster.batch import TrainBatch, balanced_partition
 
-__all__ = ["TrainWorkerGroup"]
+__all__ = ["TrainWorkerGroup", "TrainWorkerDied"]
 
 logger = logging.getLogger(__name__)
+
+
+class TrainWorkerDied(RuntimeError):
+    """A train worker's process is gone: the group cannot go on (its state is torn)."""
+
+
+def _get(workers: list[Any], refs: Any, what: str) -> Any:
+    """`ray.get` that turns a dead worker into one short, clear error."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        return ray.get(refs)
+    except RayActorError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TrainWorkerDied(
+            f"a train worker (of {len(workers)}) died during {what} ({type(e).__name__}: {first})"
+        ) from e
 
 
 class _TrainWorker:
@@ -136,19 +154,16 @@ class TrainWorkerGroup:
         return balanced_partition(batch.seq_lens.tolist(), self.world_size)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        import ray
-
         shards = self._shards(batch)
-        stats = ray.get([w.train_step.remote(batch.select(idx)) for w, idx in zip(self.workers, shards, strict=True)])
+        stats = _get(self.workers, [w.train_step.remote(batch.select(idx))
+                                    for w, idx in zip(self.workers, shards, strict=True)], "train_step")
         self._version = int(stats[0]["version"])
         return stats[0]
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        import ray
-
         shards = self._shards(batch)
-        parts = ray.get([w.compute_logprobs.remote(batch.select(idx))
-                         for w, idx in zip(self.workers, shards, strict=True)])
+        parts = _get(self.workers, [w.compute_logprobs.remote(batch.select(idx))
+                                    for w, idx in zip(self.workers, shards, strict=True)], "compute_logprobs")
         out = torch.zeros(batch.num_tokens)
         offs = batch.offsets().tolist()
         for idx, lp in zip(shards, parts, strict=True):
@@ -161,14 +176,10 @@ class TrainWorkerGroup:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0's HF-named weights (copies on CPU; tied duplicates dropped)."""
-        import ray
-
-        yield from ray.get([w.named_weights.remote() for w in self.workers])[0]
+        yield from _get(self.workers, [w.named_weights.remote() for w in self.workers], "named_weights")[0]
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        import ray
-
-        ray.get([w.save.remote(str(path), extra) for w in self.workers])
+        _get(self.workers, [w.save.remote(str(path), extra) for w in self.workers], "save")
 
     def load(self, path: str | Path) -> dict[str, Any]:
         import ray
