@@ -287,14 +287,16 @@ def split(tiny_model_dir, tmp_path_factory):
     proxy = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fault_proxy.py"),
                               f"{p_data}:{data}", f"{p_control}:{control}"],
                              start_new_session=True, stdout=proxy_log, stderr=subprocess.STDOUT)
-    # (c) the receiver, inside the transfer of v2, sleeps 3 × weight_sync.timeout_s
+    # (c) the receiver, inside the transfer of v2 (or the first later one it joins),
+    # sleeps 3 × weight_sync.timeout_s
     rollout = Launch(["rollout", *common, "--set", f"transport.data_addr=tcp://127.0.0.1:{p_data}",
                       "--set", f"transport.control_addr=tcp://127.0.0.1:{p_control}"], tmp / "rollout.log",
                      _env(AREAL_FAULT_WS_STALL_AT=str(stall_at), AREAL_FAULT_WS_STALL_S=str(3 * timeout_s),
                           AREAL_FAULT_MARK_DIR=str(marks)))
-    out: dict = {"stall_at": stall_at}
+    out: dict = {}
     try:
         _poll("the stalled receiver to wake up", lambda: (marks / "ws_resumed").is_file(), rollout)
+        out["stalled_at"] = int((marks / "ws_stalled").read_text())
         after_stall = max(_steps(run_dir), default=0)
         # (d) once the trainer has moved on after the stall, cut the link: the proxy is
         # frozen (nothing is forwarded either way, the connections stay open, as in a
@@ -334,11 +336,11 @@ def test_stalled_weight_receiver_keeps_serving_and_catches_up(split) -> None:
     run_dir, out = split
     rollout_out = out["rollout"][1]
     # the receiver gave up that version with a clear error and kept its old weights ...
-    assert re.search(rf"weight update to v{out['stall_at']} failed, still serving v\d+", rollout_out), \
+    assert re.search(rf"weight update to v{out['stalled_at']} failed, still serving v\d+", rollout_out), \
         rollout_out[-4000:]
     # ... and a later version reached it: the last weights the engines loaded are the final ones
     rollout_recs = [r for r in _records(run_dir) if r["kind"] == "rollout"]
-    assert max(r["loaded_version"] for r in rollout_recs) > out["stall_at"]
+    assert max(r["loaded_version"] for r in rollout_recs) > out["stalled_at"]
     trajs = read_jsonl(run_dir / "trajectories.jsonl")
     versions = {v for t in trajs for v in t["response_versions"] if v >= 0}
-    assert max(versions) > out["stall_at"], versions
+    assert max(versions) > out["stalled_at"], versions

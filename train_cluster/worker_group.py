@@ -37,12 +37,17 @@ class TrainWorkerDied(RuntimeError):
     """A train worker's process is gone: the group cannot go on (its state is torn)."""
 
 
-def _get(workers: list[Any], refs: Any, what: str) -> Any:
-    """`ray.get` that turns a dead worker into one short, clear error."""
+def _get(workers: list[Any], refs: list[Any], what: str) -> list[Any]:
+    """`ray.get` of one call per worker that turns a dead worker into one short, clear
+    error, as soon as it is known (the live ranks may be blocked in a collective with it)."""
     import ray
     from ray.exceptions import RayActorError
 
     try:
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)  # raises now if that worker died
         return ray.get(refs)
     except RayActorError as e:
         first = (str(e).strip().splitlines() or [""])[0]

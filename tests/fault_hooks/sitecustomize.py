@@ -14,9 +14,10 @@ installs an import hook that does nothing:
 - `AREAL_FAULT_KILL_ROLLOUT_AT=N` (+ `AREAL_FAULT_MARK_DIR`): the rollout process kills
   itself with SIGKILL in the first generate call (an episode is under way) made to a
   server that serves version ≥ N, once.
-- `AREAL_FAULT_WS_STALL_AT=N` + `AREAL_FAULT_WS_STALL_S=S` (+ `AREAL_FAULT_MARK_DIR`):
-  the dist weight receiver, having joined the transfer of version N, sleeps S seconds
-  before taking the bytes (past `weight_sync.timeout_s`), once.
+- `AREAL_FAULT_WS_STALL_AT=N` + `AREAL_FAULT_WS_STALL_S=S` + `AREAL_FAULT_MARK_DIR`:
+  the dist weight receiver, having joined the transfer of a version ≥ N, sleeps S
+  seconds before taking the bytes (past `weight_sync.timeout_s`), once; the marker
+  `ws_stalled` holds that version.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ _ENOSPC_FLAG = os.environ.get("AREAL_FAULT_ENOSPC_FLAG")
 _MARK_DIR = os.environ.get("AREAL_FAULT_MARK_DIR")
 
 
-def _mark(name: str) -> bool:
-    """Create the marker `name`; False if it already existed (the fault already fired)."""
+def _mark(name: str, text: str = "") -> bool:
+    """Create the marker `name` (holding `text`); False if it already existed (the fault
+    already fired)."""
     if not _MARK_DIR:
         return True
     try:
         fd = os.open(os.path.join(_MARK_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
+    os.write(fd, text.encode())
     os.close(fd)
     return True
 
@@ -167,7 +170,7 @@ def _patch_dist(module: object) -> None:
     real = cls._receive_buckets
 
     def _receive_buckets(self, meta, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if meta.version == at and _mark("ws_stalled"):
+        if meta.version >= at and _mark("ws_stalled", str(meta.version)):
             import time
 
             time.sleep(stall_s)
