@@ -4,10 +4,13 @@ Workload: N concurrent requests (N in --concurrency), random prompts of 16-48 to
 response lengths drawn from a long-tailed (Pareto) distribution and forced exactly
 (max_tokens = length, eos ignored), temperature 1. HF generate gets the same prompts
 left-padded in one batch and must run to the longest length (that is how it pads);
-both are credited only with the requested tokens. vLLM is measured too when it is
-installed. Progress goes to stderr (logging); the last stdout line is one JSON object.
+both are credited only with the requested tokens. vLLM (`VLLMEngine`, same workload, one
+engine warmed up before timing) is measured too when it is installed: run the script
+under .venv-vllm (scripts/setup_vllm_cpu.sh) for that column. Progress goes to stderr
+(logging); the last stdout line is one JSON object.
 
     python bench/engine.py [--model DIR] [--concurrency 1,8,32,128] [--max-len 400]
+    bash scripts/setup_vllm_cpu.sh && .venv-vllm/bin/python bench/engine.py --concurrency 1,8,32
 """
 
 from __future__ import annotations
@@ -79,26 +82,82 @@ def run_hf(model: torch.nn.Module, prompts: list[list[int]], lengths: list[int],
     return dt
 
 
-def run_vllm(model_dir: str, prompts: list[list[int]], lengths: list[int]) -> float:
-    from areal_like.config import VLLMEngineConfig
-    from rollout_cluster.engine.vllm_engine import VLLMEngine
+class VLLMRunner:
+    """The vLLM backend (`VLLMEngine` over `AsyncLLM`) on the same workload: one engine for
+    all concurrency levels (it takes ~30-90 s to start on 2 cores), on its own event
+    loop, warmed up before timing. Lengths are forced like the others (eos ignored)."""
 
-    async def main() -> float:
-        engine = VLLMEngine(model_dir, VLLMEngineConfig(kv_cache_gb=1.0, max_model_len=512))
+    def __init__(self, model_dir: str, seed: int) -> None:
+        from areal_like.config import VLLMEngineConfig
+        from rollout_cluster.engine.vllm_engine import VLLMEngine
+
+        async def make() -> VLLMEngine:
+            return VLLMEngine(model_dir, VLLMEngineConfig(kv_cache_gb=1.0, max_model_len=512), seed=seed)
+
+        self.loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
-        await asyncio.gather(
-            *(
-                engine.generate(
-                    request_id=f"v{i}", prompt_ids=p, sampling_params=SamplingParams(max_tokens=n, seed=i)
+        self.engine = self.loop.run_until_complete(make())
+        logger.info("vLLM engine up in %.1f s", time.perf_counter() - t0)
+        self.run([[5, 6, 7]] * 4, [16] * 4, "warmup")
+
+    def run(self, prompts: list[list[int]], lengths: list[int], tag: str) -> float:
+        async def main() -> float:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(
+                *(
+                    self.engine.generate(
+                        request_id=f"{tag}-{i}",
+                        prompt_ids=p,
+                        sampling_params=SamplingParams(
+                            temperature=1.0, max_tokens=n, seed=i, ignore_eos=True
+                        ),
+                    )
+                    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+                )
+            )
+            dt = time.perf_counter() - t0
+            produced = sum(len(r.token_ids) for r in results)
+            assert produced == sum(lengths), (produced, sum(lengths))
+            return dt
+
+        return self.loop.run_until_complete(main())
+
+    def pause_resume_latency(
+        self, prompts: list[list[int]], lengths: list[int], weights: list[tuple[str, torch.Tensor]]
+    ) -> dict:
+        """The same requests decoding; one weight update once they are under way."""
+        engine = self.engine
+
+        async def main() -> dict:
+            before = engine.metrics()
+            calls = [
+                asyncio.create_task(
+                    engine.generate(
+                        request_id=f"vpr-{i}",
+                        prompt_ids=p,
+                        sampling_params=SamplingParams(
+                            temperature=1.0, max_tokens=n, seed=i, ignore_eos=True
+                        ),
+                    )
                 )
                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
-            )
-        )
-        dt = time.perf_counter() - t0
-        await engine.close()
-        return dt
+            ]
+            target = before["generated_tokens"] + len(prompts) * max(1, min(lengths) // 2)
+            while engine.metrics()["generated_tokens"] < target:
+                await asyncio.sleep(0.001)
+            await engine.update_weights(weights, engine.version + 1)
+            await asyncio.gather(*calls)
+            after = engine.metrics()
+            return {
+                "vllm_pause_resume_latency_s": round(after["pause_resume_latency_s_last"], 5),
+                "vllm_recompute_tokens": int(after["recompute_tokens"] - before["recompute_tokens"]),
+            }
 
-    return asyncio.run(main())
+        return self.loop.run_until_complete(main())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.close())
+        self.loop.close()
 
 
 def pause_resume_latency(engine: EmbeddedEngine, prompts: list[list[int]], lengths: list[int]) -> dict:
@@ -142,6 +201,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     pad = hf.config.pad_token_id or 0
     have_vllm = importlib.util.find_spec("vllm") is not None
+    vllm = VLLMRunner(args.model, args.seed) if have_vllm else None
     levels = [int(c) for c in args.concurrency.split(",")]
     points = []
     for n in levels:
@@ -157,12 +217,16 @@ def main() -> None:
             "hf_generate_tok_s": round(tokens / t_hf, 1),
             "speedup_vs_hf": round(t_hf / t_emb, 2),
         }
-        if have_vllm:
-            point["vllm_tok_s"] = round(tokens / run_vllm(args.model, prompts, lengths), 1)
+        if vllm is not None:
+            t_vllm = min(vllm.run(prompts, lengths, f"v{n}r{r}") for r in range(args.repeats))
+            point["vllm_tok_s"] = round(tokens / t_vllm, 1)
         logger.info("%s", point)
         points.append(point)
     prompts, lengths = workload(32, args.max_len, engine.vocab_size, args.seed + 1000)
     latency = pause_resume_latency(engine, prompts, lengths)
+    if vllm is not None:
+        weights = [(n, p.detach() + 0.01) for n, p in hf.named_parameters()]
+        latency.update(vllm.pause_resume_latency(prompts, lengths, weights))
     logger.info("pause/resume at 32 concurrent: %s", latency)
     at32 = next((p["speedup_vs_hf"] for p in points if p["concurrency"] == 32), None)
     result = {
@@ -176,6 +240,8 @@ def main() -> None:
         "vllm": "measured" if have_vllm else "not installed",
         **latency,
     }
+    if vllm is not None:
+        vllm.close()
     sys.stdout.write(json.dumps(result) + "\n")
     if tmp is not None:
         tmp.cleanup()

