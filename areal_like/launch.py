@@ -422,14 +422,19 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
             raise RuntimeError(f"the rollout side stopped before the trainer finished: {out}")
 
     trainer.check_peers = check_rollout
+    finished = False
     try:
         summary = trainer.run()
         ready, _ = ray.wait([ref], timeout=60)
         if ready:
+            finished = True
             log.info("rollout side finished: %s", ray.get(ref))
         return summary
     finally:
-        ray.cancel(ref, force=True)
+        if not finished:
+            # Only a task still running is cancelled: force-cancelling one that already
+            # returned tripped a fatal check inside Ray ("complete task that was not pending").
+            ray.cancel(ref, force=True)
         trainer.close()
         for pg in (pg_roll, pg_train):
             remove_placement_group(pg)
