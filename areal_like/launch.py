@@ -431,7 +431,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
             log.info("rollout side finished: %s", ray.get(ref))
         return summary
     finally:
-        if not finished:
+        if not finished and not ray.wait([ref], timeout=0)[0]:
             # Only a task still running is cancelled: force-cancelling one that already
             # returned tripped a fatal check inside Ray ("complete task that was not pending").
             ray.cancel(ref, force=True)
