@@ -45,6 +45,9 @@ def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int) -> l
         f"eval.num_samples={eval_samples}",
         "rollout.server_threads=1",
         "train.backend.threads=1",
+        # Uniform groups are trained (with zero advantage) instead of filtered: the filter
+        # would make the rollout the bottleneck, and a bound the lag never reaches tests nothing.
+        "staleness.filter_uniform_groups=false",
     ]
 
 
@@ -56,6 +59,7 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=256)
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_staleness_ablation"))
+    ap.add_argument("--reuse", action="store_true", help="keep runs that finished in --out (same settings!)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     etas = [int(x) for x in args.etas.split(",")]
@@ -70,7 +74,12 @@ def main() -> None:
             k += 1
             run_dir = out / f"eta{eta}_{mode}_seed{seed}"
             log.info("[%d/%d] η=%d %s seed %d ...", k, len(cells) * len(seeds), eta, mode, seed)
-            cpu = run_cli(args.config, sets_for(eta, mode, seed, args.steps, args.eval_samples), run_dir)
+            done_file = run_dir.parent / f"{run_dir.name}.cpu.json"
+            if args.reuse and done_file.exists():  # finished earlier with the same settings
+                cpu = json.loads(done_file.read_text())
+            else:
+                cpu = run_cli(args.config, sets_for(eta, mode, seed, args.steps, args.eval_samples), run_dir)
+                done_file.write_text(json.dumps(cpu))
             s = {"eta": eta, "mode": mode, "seed": seed, **summarise(run_dir), **cpu}
             runs.append(s)
             log.info("    accuracy %s, train reward %.3f, lag max %d (mean %.2f), %.1f s, other CPU %.2f cores",
