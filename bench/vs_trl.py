@@ -392,6 +392,8 @@ def time_to_target(ev: Evaluator, run: dict[str, Any], target: float, stride: in
         "time_to_target_s": round(ckpts[hit]["time"] - run["t0"], 1) if hit is not None else "not reached",
         "time_to_target_from_launch_s": round(ckpts[hit]["time"] - run["t_launch"], 1) if hit is not None else None,
         "steps_to_target": ckpts[hit]["step"] if hit is not None else None,
+        # setup cost: contender start to its first optimiser step (Ray, actors, model, first batch)
+        "first_step_s": round(ckpts[0]["time"] - run["t0"], 1) if ckpts else None,
         "best_accuracy": round(best, 4) if best is not None else None,
         "eval_curve": curve,
     }
