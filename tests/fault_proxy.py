@@ -33,6 +33,7 @@ def _serve(listen: int, target: int) -> None:
         except OSError:
             client.close()
             continue
+        print(f"connected {listen} -> {target}", flush=True)
         for a, b in ((client, upstream), (upstream, client)):
             threading.Thread(target=_pump, args=(a, b), daemon=True).start()
 
