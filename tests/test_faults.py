@@ -35,7 +35,7 @@ import pytest
 
 from areal_like.metrics import read_jsonl
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # the chain fixture: 4 launches
 
 ROOT = Path(__file__).parent.parent
 CLI = [sys.executable, "-m", "areal_like.cli"]
