@@ -336,6 +336,10 @@ class TransportConfig(_Section):
     """Shared secret required on both channels when they listen beyond 127.0.0.1."""
     max_frame_mb: float = Field(256.0, gt=0.0)
     """Frames larger than this are refused."""
+    peer_timeout_s: float = Field(600.0, gt=0.0)
+    """The rollout side stops with an error when the trainer, once heard, has announced
+    nothing for this long (a trainer killed without a word). Keep it above the longest
+    train step + weight publish: announcements pause while the trainer trains."""
 
 
 class PoolConfig(_Section):

@@ -223,7 +223,7 @@ class RolloutSide:
             seed=cfg.run.seed,
         )
         try:
-            await drive_rollout(controller, subscriber)
+            await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s)
         finally:
             for s in servers:
                 await s.close()

@@ -139,13 +139,24 @@ class TrainerController:
         try:
             return self._run()
         except RunAborted:
+            self._announce_stop()
             raise
         except Exception as e:
+            self._announce_stop()
             if _disk_full(e):
                 where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
                 raise RunAborted(f"no space left on device{where}: the run stopped at v{self.trainer.version}. "
                                  f"Free some space, then: {self._resume_hint()}") from e
             raise
+
+    def _announce_stop(self) -> None:
+        """Best effort: tell a separately started rollout side the run is over."""
+        self._stopping = True
+        try:
+            self._announce(force=True)
+            time.sleep(0.2)  # PUB drops what is unsent at close: let it go out
+        except Exception as e:  # the channel itself may be what failed
+            log.warning("could not announce the stop to the rollout side: %s", e)
 
     def _run(self) -> dict[str, int]:
         cfg = self.cfg

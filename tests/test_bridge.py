@@ -1,0 +1,78 @@
+"""The rollout side's control listener: a trainer that goes silent (killed without a
+word) stops the rollout side with a clear error instead of leaving it running forever."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+
+import pytest
+
+from areal_like.bridge import TrainerLostError, drive_rollout
+from areal_like.types import VersionAnnouncement
+
+
+class FakeSubscriber:
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+
+    def recv(self, timeout_s: float):
+        try:
+            return self.q.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+
+class FakeController:
+    """What drive_rollout needs: an announcements queue, stop(), run()."""
+
+    def __init__(self) -> None:
+        self.announcements: asyncio.Queue = asyncio.Queue()
+        self.seen: list[int] = []
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ann = await asyncio.wait_for(self.announcements.get(), 0.05)
+            except asyncio.TimeoutError:
+                continue
+            self.seen.append(ann.version)
+            if ann.stop:
+                self.stop()
+
+
+def test_silent_trainer_stops_the_rollout_side_with_a_clear_error() -> None:
+    async def main() -> FakeController:
+        sub, ctl = FakeSubscriber(), FakeController()
+        sub.q.put(VersionAnnouncement(version=0))
+        sub.q.put(VersionAnnouncement(version=1))
+        await drive_rollout(ctl, sub, peer_timeout_s=0.5)
+        return ctl
+
+    t0 = time.monotonic()
+    with pytest.raises(TrainerLostError, match="peer_timeout_s"):
+        asyncio.run(main())
+    assert time.monotonic() - t0 < 30
+
+
+def test_no_timeout_before_the_trainer_is_first_heard_and_stop_ends_cleanly() -> None:
+    async def main() -> FakeController:
+        sub, ctl = FakeSubscriber(), FakeController()
+
+        async def late_trainer() -> None:  # starts after the rollout side, as in split mode
+            await asyncio.sleep(1.0)
+            sub.q.put(VersionAnnouncement(version=0))
+            await asyncio.sleep(0.1)
+            sub.q.put(VersionAnnouncement(version=1, stop=True))
+
+        task = asyncio.create_task(late_trainer())
+        await drive_rollout(ctl, sub, peer_timeout_s=0.5)
+        await task
+        return ctl
+
+    assert asyncio.run(main()).seen == [0, 1]
