@@ -88,6 +88,8 @@ class CpuMonitor:
         self.sys0 = self._busy()
         self.self0 = self._self_cpu()
         self.load0 = os.getloadavg()
+        self.samples: list[tuple[float, float]] = [(self.t0, 0.0)]
+        """(time, CPU seconds of other processes so far), one every sample."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -112,6 +114,8 @@ class CpuMonitor:
                 self.seen[key] = max(self.seen.get(key, 0.0), c.user + c.system)
             except (self.psutil.NoSuchProcess, self.psutil.AccessDenied, self.psutil.ZombieProcess):
                 continue
+        other = self._busy() - self.sys0 - sum(self.seen.values()) - (self._self_cpu() - self.self0)
+        self.samples.append((time.time(), max(0.0, other)))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -135,6 +139,7 @@ class CpuMonitor:
             "other_processes_avg_cores": round(other / max(wall, 1e-9), 2),
             "loadavg_1m_start": round(self.load0[0], 2),
             "loadavg_1m_end": round(os.getloadavg()[0], 2),
+            "samples": self.samples,
         }
 
 
@@ -356,6 +361,19 @@ class Evaluator:
         return hits / n
 
 
+def _other_cores(cpu: dict[str, Any], t_from: float, t_to: float) -> float | None:
+    """Average cores other processes used between two times (from the monitor's samples)."""
+    samples = cpu.get("samples") or []
+
+    def at(t: float) -> tuple[float, float]:
+        return min(samples, key=lambda s: abs(s[0] - t))
+
+    if len(samples) < 2:
+        return None
+    (a_t, a_v), (b_t, b_v) = at(t_from), at(t_to)
+    return round((b_v - a_v) / (b_t - a_t), 2) if b_t > a_t else None
+
+
 def time_to_target(ev: Evaluator, run: dict[str, Any], target: float, stride: int, tag: str) -> dict[str, Any]:
     """Evaluate every `stride`-th checkpoint until one reaches `target`, then the ones
     before it back to the last miss; the first that reaches it is the answer."""
@@ -394,6 +412,9 @@ def time_to_target(ev: Evaluator, run: dict[str, Any], target: float, stride: in
         "steps_to_target": ckpts[hit]["step"] if hit is not None else None,
         # setup cost: contender start to its first optimiser step (Ray, actors, model, first batch)
         "first_step_s": round(ckpts[0]["time"] - run["t0"], 1) if ckpts else None,
+        # what other processes used while this contender was on its way to the target
+        "other_processes_avg_cores_to_target": _other_cores(run["cpu"], run["t0"], ckpts[hit]["time"])
+        if hit is not None else None,
         "best_accuracy": round(best, 4) if best is not None else None,
         "eval_curve": curve,
     }
@@ -453,7 +474,7 @@ def main() -> None:
             log.info("repeat %d: running %s (load average %.2f)", rep, who, os.getloadavg()[0])
             runs[who] = run_ours(d, args.ours_steps, args.form) if who == "ours" else run_trl(d, args)
             log.info("repeat %d: %s done: %d steps in %ss; CPU %s", rep, who, runs[who]["steps_done"],
-                     runs[who]["train_s"], runs[who]["cpu"])
+                     runs[who]["train_s"], {k: v for k, v in runs[who]["cpu"].items() if k != "samples"})
         pairs.append({"order": order, **runs})
 
     log.info("evaluating checkpoints (%d held-out problems, sampled T=1; not timed)", args.eval_n)
@@ -470,7 +491,7 @@ def main() -> None:
             res[who] = {**tt, "steps_run": r["steps_done"], "train_s": r["train_s"],
                         "s_per_step": round(r["train_s"] / max(r["steps_done"], 1), 2) if r["train_s"] else None,
                         "train_reward_last5": round(sum(tr[-5:]) / len(tr[-5:]), 4) if tr else None,
-                        "cpu": r["cpu"]}
+                        "cpu": {k: v for k, v in r["cpu"].items() if k != "samples"}}
         o, t = res["ours"], res["trl"]
         if o["reached"] and t["reached"]:
             res["speedup"] = round(t["time_to_target_s"] / o["time_to_target_s"], 2)
