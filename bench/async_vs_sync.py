@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default="configs/quickstart.yaml")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override for every run (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_async_vs_sync"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -104,7 +106,7 @@ def main() -> None:
         for eta in order:
             run_dir = out / f"eta{eta}_rep{rep}"
             log.info("[%d/%d] η=%d repeat %d ...", done + 1, total, eta, rep)
-            cpu = run_cli(args.config, sets_for(eta, args.steps, args.seed, data), run_dir)
+            cpu = run_cli(args.config, [*sets_for(eta, args.steps, args.seed, data), *args.sets], run_dir)
             s = {"eta": eta, "repeat": rep, **summarise(run_dir), **cpu}
             runs[eta].append(s)
             done += 1
@@ -146,6 +148,7 @@ def main() -> None:
         "benchmark": "async_vs_sync",
         "steps": args.steps,
         "repeats": args.repeats,
+        "extra_sets": args.sets,
         "table": table,
         "sync_rollout_phase_s": round(r_phase, 3),
         "sync_train_phase_s": round(t_phase, 3),

@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-samples", type=int, default=256)
     ap.add_argument("--config", default="configs/quickstart.yaml")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override for every run (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_staleness_ablation"))
     ap.add_argument("--reuse", action="store_true", help="keep runs that finished in --out (same settings!)")
     args = ap.parse_args()
@@ -78,7 +80,7 @@ def main() -> None:
             if args.reuse and done_file.exists():  # finished earlier with the same settings
                 cpu = json.loads(done_file.read_text())
             else:
-                cpu = run_cli(args.config, sets_for(eta, mode, seed, args.steps, args.eval_samples), run_dir)
+                cpu = run_cli(args.config, [*sets_for(eta, mode, seed, args.steps, args.eval_samples), *args.sets], run_dir)
                 done_file.write_text(json.dumps(cpu))
             s = {"eta": eta, "mode": mode, "seed": seed, **summarise(run_dir), **cpu}
             runs.append(s)
@@ -115,6 +117,7 @@ def main() -> None:
         "benchmark": "staleness_ablation",
         "steps": args.steps,
         "seeds": seeds,
+        "extra_sets": args.sets,
         "table": table,
         "runs": runs,
         "total_s": round(time.time() - t_all, 1),
