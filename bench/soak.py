@@ -52,8 +52,8 @@ def _label(p: psutil.Process) -> str:
         cmd = []
     if cmd:
         first = cmd[0]
-        if first.startswith("ray::"):
-            return first.split()[0]
+        if first.startswith("ray::"):  # `ray::Class.method` while a task runs: keep the class
+            return first.split()[0].split(".")[0]
         base = os.path.basename(first)
         if base.startswith("python") and len(cmd) > 1:
             arg = next((c for c in cmd[1:] if not c.startswith("-")), cmd[1])
@@ -208,9 +208,14 @@ def _plot(samples: list[tuple[float, list[dict]]], warmup_s: float, out: Path, t
     import matplotlib.pyplot as plt
 
     series: dict[tuple[int, str], dict[str, list]] = {}
+    names: dict[int, str] = {}
     for t, rows in samples:
         for r in rows:
-            s = series.setdefault((r["pid"], r["name"]), {"t": [], "rss": [], "fds": [], "sockets": []})
+            # one line per process, named as first seen once Ray has retitled it
+            name = names.setdefault(r["pid"], r["name"].split(".")[0] if r["name"].startswith("ray::") else r["name"])
+            if name == "ray::IDLE" and r["name"] != "ray::IDLE":
+                name = names[r["pid"]] = r["name"].split(".")[0]
+            s = series.setdefault((r["pid"], name), {"t": [], "rss": [], "fds": [], "sockets": []})
             s["t"].append(t / 60)
             s["rss"].append(r["rss"] / 2**20)
             s["fds"].append(r["fds"])
