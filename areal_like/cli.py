@@ -117,7 +117,7 @@ def train(
 
     import ray
 
-    from areal_like.launch import TrainerSide, ray_env
+    from areal_like.launch import TrainerSide, init_ray, ray_env
     from areal_like.run_dir import RunDirError
     from areal_like.trainer_controller import RunAborted
 
@@ -125,7 +125,7 @@ def train(
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
     try:
-        ray.init(address=cfg.cluster.ray_address, include_dashboard=False) if cfg.cluster.ray_address else ray.init(
+        init_ray(address=cfg.cluster.ray_address, include_dashboard=False) if cfg.cluster.ray_address else init_ray(
             include_dashboard=False, runtime_env={"env_vars": ray_env()})
         side = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=_progress(cfg))
         _print_start(side)

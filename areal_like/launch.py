@@ -368,6 +368,25 @@ def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: 
     return RolloutSide(cfg, data_addr, control_addr, user=user).run()
 
 
+def init_ray(**kwargs: Any) -> None:
+    """`ray.init`, keeping the caller's SIGTERM handler.
+
+    Ray installs its own SIGTERM handler in the driver, which aborts the process
+    without running our `finally` blocks (engines, sockets, placement groups and Ray
+    itself stay behind). The CLI turns SIGTERM into KeyboardInterrupt; put that back.
+    """
+    import signal
+    import threading
+
+    import ray
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    prev = signal.getsignal(signal.SIGTERM) if main_thread else None
+    ray.init(**kwargs)
+    if main_thread and prev is not None and signal.getsignal(signal.SIGTERM) is not prev:
+        signal.signal(signal.SIGTERM, prev)
+
+
 def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, on_step: Any = None,
              on_start: Any = None, user: dict[str, Any] | None = None) -> dict[str, int]:
     """Both clusters on this machine: embedded Ray, one placement group per pool."""
@@ -384,10 +403,10 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     started_ray = False
     if not ray.is_initialized():
         if cfg.cluster.ray_address:
-            ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
+            init_ray(address=cfg.cluster.ray_address, log_to_driver=True)
         else:
             cpus = os.cpu_count() or 1
-            ray.init(num_cpus=max(cpus, cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus),
+            init_ray(num_cpus=max(cpus, cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus),
                      include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": ray_env()})
         started_ray = True
     rp, tp = cfg.cluster.rollout_pool, cfg.cluster.train_pool

@@ -52,7 +52,8 @@ def _session_processes(sid: int) -> list[str]:
     return [line for line in out.splitlines() if line.split(None, 1)[0] == str(sid)]
 
 
-def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_everything(tiny_model_dir, tmp_path, how) -> None:
     run_dir = tmp_path / "run"
     args = _common(tiny_model_dir, run_dir, 0)[:-6]  # keep port-0 addresses: one machine
     args += ["--set", "train.total_steps=1000"]
@@ -68,7 +69,10 @@ def test_ctrl_c_stops_everything(tiny_model_dir, tmp_path) -> None:
     else:
         p.kill()
         pytest.fail("the run never reached a train step")
-    os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    if how == "ctrl-c":
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    else:
+        os.kill(p.pid, signal.SIGTERM)  # `kill PID` or a scheduler: the CLI alone, after ray.init
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 130, out[-3000:]
     time.sleep(3)
