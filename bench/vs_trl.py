@@ -34,6 +34,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -506,8 +507,7 @@ def main() -> None:
 
     speedups = [r["speedup"] for r in results if isinstance(r["speedup"], float)]
     if speedups:
-        speedups.sort()
-        headline: Any = speedups[len(speedups) // 2]
+        headline: Any = round(statistics.median(speedups), 2)
     else:
         headline = next((r["speedup"] for r in results if r["speedup"] is not None), None)
     summary = {
