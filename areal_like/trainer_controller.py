@@ -173,9 +173,11 @@ class TrainerController:
                     self._resend_resumed_weights()
                 self._resend_if_rollout_stuck()
                 self._announce(weights=self.resumed_meta if self.rollout is None else None)
-                if self.check_peers is not None:
+                if self.check_peers is not None or self._rollout_at:
                     try:
-                        self.check_peers()
+                        if self.check_peers is not None:
+                            self.check_peers()
+                        self._check_rollout_alive()
                     except Exception as e:  # the trainer's state is whole: save it before stopping
                         self._abort_checkpoint()
                         raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
@@ -215,6 +217,16 @@ class TrainerController:
         self._resumed_sent_at = now
         self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
         self._announce(weights=self.resumed_meta, force=True)
+
+    def _check_rollout_alive(self) -> None:
+        """A rollout side once heard and now silent past `transport.peer_timeout_s` (its
+        stats loop reports every second or two) is gone: in split mode nothing else would
+        notice, and the trainer would wait for data forever."""
+        if not self._rollout_at or (self.rollout is not None and self.rollout.kind == "final"):
+            return
+        silent = time.time() - self._rollout_at
+        if silent > self.cfg.transport.peer_timeout_s:
+            raise RuntimeError(f"the rollout side has sent nothing for {silent:.0f}s (transport.peer_timeout_s)")
 
     def _resend_if_rollout_stuck(self) -> None:
         """A rollout side that missed a version (its receiver stalled past the timeout, or

@@ -140,3 +140,34 @@ class TrainerControllerCounts:
     @staticmethod
     def add_up(summary) -> bool:
         return summary["started"] == sum(v for k, v in summary.items() if k != "started")
+
+
+def test_silent_rollout_side_stops_the_trainer_with_a_checkpoint(tmp_path) -> None:
+    """Split mode: a rollout side that reported once and then vanished (killed without
+    a word) must not leave the trainer waiting for data forever."""
+    import time
+
+    import pytest
+
+    from areal_like.trainer_controller import RunAborted
+    from areal_like.types import RolloutStats
+
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "train.total_steps=5", "train.batch_size=2",
+                             "rollout.group_size=4", "transport.peer_timeout_s=1.5"])
+    rd = RunDir(cfg.run.dir)
+    rd.prepare(cfg, resume=False)
+    puller = DataPuller("tcp://127.0.0.1:0")
+    publisher = ControlPublisher("tcp://127.0.0.1:0")
+    tc = TrainerController(cfg, trainer=FakeTrainer(), weights=FakeWeights(), puller=puller, publisher=publisher,
+                           run_dir=rd, mlog=MetricsLog(rd.metrics), model_path=tmp_path)
+    pusher = DataPusher(puller.addr)
+    pusher.send(RolloutStats(kind="stats", time=time.time(), loaded_version=0, started=0, running=0))
+    t0 = time.time()
+    with pytest.raises(RunAborted, match="rollout side has sent nothing") as info:
+        tc.run()
+    assert time.time() - t0 < 60
+    assert "--resume" in str(info.value) and "v000000" in str(info.value)
+    pusher.close()
+    puller.close()
+    publisher.close()
+    tc.mlog.close()
