@@ -247,10 +247,10 @@ class RolloutServer:
 
         if self._http is not None:
             return self._http.url
-        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-            logger.warning("rollout HTTP API listening on %s without an api_key", host)
-        self._http = HttpServer(self, api_key=api_key)
-        return await self._http.start(host, port)
+        http = HttpServer(self, api_key=api_key)  # refuses a non-loopback host without an api_key
+        url = await http.start(host, port)
+        self._http = http  # only once it listens: a refused start raises again next time
+        return url
 
     async def stop_http(self) -> None:
         if self._http is not None:

@@ -149,3 +149,17 @@ def test_http_api_round_trip(tiny_model_dir, tokenizer):
         await server.close()
 
     asyncio.run(main())
+
+
+def test_refused_http_start_stays_refused(tiny_model_dir):
+    async def main():
+        server = make_server(tiny_model_dir)
+        try:
+            for _ in range(2):  # the second call must not return a URL for a server that never listened
+                with pytest.raises(PermissionError, match="without an api_key"):
+                    await server.start_http("0.0.0.0", 0)
+            assert server.health()["status"] == "ok"
+        finally:
+            await server.close()
+
+    asyncio.run(main())
