@@ -70,13 +70,13 @@ def test_reward_failures_are_reward_errors(fn: Any, reason: str) -> None:
 
 def test_async_reward_timeout() -> None:
     async def fn(sample: dict[str, Any], output: Any) -> float:
-        await asyncio.sleep(5)
+        await asyncio.sleep(30)
         return 1.0
 
     start = time.perf_counter()
     with pytest.raises(RewardError, match="timeout"):
         score(fn, timeout_s=0.05)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 15  # cut at the timeout, not slept out
 
 
 def test_user_code_reward_by_file(tmp_path: Path) -> None:
