@@ -238,7 +238,53 @@ def report(
     typer.echo(f"plots: {png}")
 
 
+STOP_GRACE_S = 60.0
+"""After Ctrl-C / SIGTERM, the orderly teardown gets this long; then every process this
+command started is killed and it exits 130 anyway (a stop must never hang or leak)."""
+
+_stopping = False
+
+
+def _kill_descendants_and_exit(code: int) -> None:
+    import os
+
+    import psutil
+
+    try:
+        kids = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        kids = []
+    for k in kids:
+        try:
+            k.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(kids, timeout=10)
+    os._exit(code)
+
+
+def _stop_watchdog(grace_s: float) -> None:
+    import threading
+    import time
+
+    def watch() -> None:
+        time.sleep(grace_s)
+        sys.stderr.write(f"\nthe orderly stop took more than {grace_s:.0f}s: killing what this command started\n")
+        sys.stderr.flush()
+        _kill_descendants_and_exit(130)
+
+    threading.Thread(target=watch, name="stop-watchdog", daemon=True).start()
+
+
 def _term_as_interrupt(signum: int, frame: object) -> None:
+    """Ctrl-C and SIGTERM: raise KeyboardInterrupt so the finally blocks tear down Ray,
+    engines and sockets, with a watchdog in case the teardown hangs; a second signal
+    kills everything at once."""
+    global _stopping
+    if _stopping:
+        _kill_descendants_and_exit(130)
+    _stopping = True
+    _stop_watchdog(STOP_GRACE_S)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -247,6 +293,7 @@ def main() -> None:
 
     # SIGTERM stops a run the way Ctrl-C does: the finally blocks tear down Ray and sockets.
     signal.signal(signal.SIGTERM, _term_as_interrupt)
+    signal.signal(signal.SIGINT, _term_as_interrupt)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app()

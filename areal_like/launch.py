@@ -382,7 +382,7 @@ def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: 
 
 
 def init_ray(**kwargs: Any) -> None:
-    """`ray.init`, keeping the caller's SIGTERM handler.
+    """`ray.init`, keeping the caller's SIGTERM and SIGINT handlers.
 
     Ray installs its own SIGTERM handler in the driver, which aborts the process
     without running our `finally` blocks (engines, sockets, placement groups and Ray
@@ -394,10 +394,12 @@ def init_ray(**kwargs: Any) -> None:
     import ray
 
     main_thread = threading.current_thread() is threading.main_thread()
-    prev = signal.getsignal(signal.SIGTERM) if main_thread else None
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    prev = {sig: signal.getsignal(sig) for sig in sigs} if main_thread else {}
     ray.init(**kwargs)
-    if main_thread and prev is not None and signal.getsignal(signal.SIGTERM) is not prev:
-        signal.signal(signal.SIGTERM, prev)
+    for sig, handler in prev.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, on_step: Any = None,
