@@ -5,8 +5,8 @@ orchestration (controller, launch, CLI, dashboard) is imported by module path, s
 `import areal_like` stays light and never imports vLLM, Megatron or torch.
 """
 
-from areal_like.config import ConfigError, ExperimentConfig, load_config
-from areal_like.types import (
+from areal_like.core.config import ConfigError, ExperimentConfig, load_config
+from areal_like.core.types import (
     AgentLoopOutput,
     GenerateRequest,
     GenerateResult,
@@ -17,7 +17,7 @@ from areal_like.types import (
     VersionAnnouncement,
     WeightUpdateMeta,
 )
-from areal_like.wire import WireError, decode, encode
+from areal_like.core.wire import WireError, decode, encode
 
 __version__ = "0.1.0"
 

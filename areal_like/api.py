@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import ExperimentConfig, load_config
-from areal_like.dataset import normalise_row
+from areal_like.core.config import ExperimentConfig, load_config
+from areal_like.orchestration.dataset import normalise_row
 
 __all__ = ["GRPOTrainer"]
 
@@ -60,7 +60,7 @@ class GRPOTrainer:
 
     def train(self, resume: bool = False, overwrite: bool = False) -> dict[str, int]:
         """Run both clusters on this machine until `train.total_steps`; returns the outcome counts."""
-        from areal_like.launch import run_both
+        from areal_like.orchestration.launch import run_both
 
         user = {"rows": self.rows, "eval_rows": self.eval_rows, "reward_fn": self.reward_fn,
                 "tools": self.tools, "loops": self.agent_loops}

@@ -1,7 +1,7 @@
 """Shared by the run-level benchmarks: launch one `areal-like run` in its own session,
 watch the CPU that *other* processes use meanwhile, and summarise its metrics.
 
-Each contender runs as a fresh `python -m areal_like.cli run ...` (its own Ray, its
+Each contender runs as a fresh `python -m areal_like.orchestration.cli run ...` (its own Ray, its
 own engines), so runs cannot leak state into each other. The machines these run on
 are shared: a background process halves throughput on 2 cores. `CpuMonitor` samples
 every second the busy CPU time of the whole machine and of the run's own session
@@ -86,7 +86,7 @@ def run_cli(config: str, sets: list[str], run_dir: Path, *, env: dict[str, str] 
 
     Raises RuntimeError with the tail of the output when the run fails.
     """
-    args = [sys.executable, "-m", "areal_like.cli", "run", config, "--overwrite"]
+    args = [sys.executable, "-m", "areal_like.orchestration.cli", "run", config, "--overwrite"]
     for s in [*sets, f"run.dir={run_dir}"]:
         args += ["--set", s]
     full_env = {**os.environ, **RAY_ENV, **(env or {})}

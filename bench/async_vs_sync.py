@@ -42,8 +42,8 @@ LOOP = "bench/long_tail_loop.py:LongTailToolLoop"
 def write_dataset(out: Path, seed: int) -> tuple[Path, Path]:
     """The quickstart's generated rows as JSONL, training rows routed to the long-tail loop
     (held-out rows keep the plain tool loop: evaluation measures the answer only)."""
-    from areal_like.config import DatasetConfig
-    from areal_like.dataset import load_rows
+    from areal_like.core.config import DatasetConfig
+    from areal_like.orchestration.dataset import load_rows
 
     cfg = DatasetConfig(type="generated", form="tool")
     out.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from areal_like.config import EmbeddedEngineConfig
-from areal_like.types import SamplingParams
+from areal_like.core.config import EmbeddedEngineConfig
+from areal_like.core.types import SamplingParams
 from rollout_cluster.engine.embedded import EmbeddedEngine
 
 logger = logging.getLogger("bench.engine")
@@ -88,7 +88,7 @@ class VLLMRunner:
     loop, warmed up before timing. Lengths are forced like the others (eos ignored)."""
 
     def __init__(self, model_dir: str, seed: int) -> None:
-        from areal_like.config import VLLMEngineConfig
+        from areal_like.core.config import VLLMEngineConfig
         from rollout_cluster.engine.vllm_engine import VLLMEngine
 
         async def make() -> VLLMEngine:
@@ -190,7 +190,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tmp = None
     if args.model is None:
-        from areal_like.tiny_model import init_model
+        from areal_like.models.tiny_model import init_model
 
         tmp = tempfile.TemporaryDirectory()
         args.model = str(init_model(Path(tmp.name) / "model", seed=args.seed))

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from areal_like.config import EmbeddedEngineConfig
-from areal_like.types import GenerateResult, SamplingParams
+from areal_like.core.config import EmbeddedEngineConfig
+from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine.embedded import EmbeddedEngine
 
 logger = logging.getLogger("bench.interrupt")
@@ -134,7 +134,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tmp = None
     if args.model is None:
-        from areal_like.tiny_model import init_model
+        from areal_like.models.tiny_model import init_model
 
         tmp = tempfile.TemporaryDirectory()
         args.model = str(init_model(Path(tmp.name) / "model", seed=args.seed))

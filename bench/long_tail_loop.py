@@ -21,7 +21,7 @@ import os
 import random
 from typing import Any
 
-from areal_like.types import AgentLoopOutput, SamplingParams
+from areal_like.core.types import AgentLoopOutput, SamplingParams
 from rollout_cluster.agent_loop.tool_agent import ToolAgentLoop
 
 ALPHA = float(os.environ.get("LONG_TAIL_ALPHA", "1.2"))

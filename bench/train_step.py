@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from areal_like.config import TorchBackendConfig, TrainConfig
-from areal_like.types import Trajectory
+from areal_like.core.config import TorchBackendConfig, TrainConfig
+from areal_like.core.types import Trajectory
 from train_cluster.batch import build_batch
 from train_cluster.torch_engine import TorchTrainEngine
 
@@ -59,7 +59,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from areal_like.tiny_model import init_model
+        from areal_like.models.tiny_model import init_model
 
         model = str(init_model(tempfile.mkdtemp(prefix="bench_model_"), seed=0))
     cfg = TrainConfig(token_budget=args.token_budget, backend=TorchBackendConfig(threads=args.threads))

@@ -173,7 +173,7 @@ def _interesting(line: str) -> bool:
 # contenders
 # ---------------------------------------------------------------------------------------
 def _contender_env(threads: int | None = None) -> dict[str, str]:
-    from areal_like.launch import ray_env
+    from areal_like.orchestration.launch import ray_env
 
     env = {**os.environ, **ray_env(), "PYTHONUNBUFFERED": "1"}
     if threads is not None:
@@ -183,8 +183,8 @@ def _contender_env(threads: int | None = None) -> dict[str, str]:
 
 def run_ours_child(out: Path, steps: int, form: str) -> None:
     """In the contender process: the quickstart through `run_both`, weights recorded."""
-    from areal_like.config import load_config
-    from areal_like.launch import run_both
+    from areal_like.core.config import load_config
+    from areal_like.orchestration.launch import run_both
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = [
@@ -265,10 +265,10 @@ class Evaluator:
         import torch
         from transformers import Qwen2ForCausalLM
 
-        from areal_like.config import load_config
-        from areal_like.dataset import load_rows
-        from areal_like.launch import resolve_model_path
-        from areal_like.tiny_model import load_tokenizer
+        from areal_like.core.config import load_config
+        from areal_like.models.tiny_model import load_tokenizer
+        from areal_like.orchestration.dataset import load_rows
+        from areal_like.orchestration.launch import resolve_model_path
         from rollout_cluster.agent_loop.chat import ChatTemplate
         from rollout_cluster.tool_parser import HermesToolParser
         from rollout_cluster.tools.calculator import CalculatorTool

@@ -79,7 +79,7 @@ def qwen2_like(
 def quickstart() -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from areal_like.tiny_model import init_model
+    from areal_like.models.tiny_model import init_model
 
     with tempfile.TemporaryDirectory() as d:
         return load_file(str(init_model(Path(d), seed=0) / "model.safetensors"))
@@ -106,8 +106,8 @@ def receiver_main(
     """A receiver process: answers each wire-encoded meta with its timings."""
     torch.set_num_threads(1)
     from areal_like import wire
-    from areal_like.config import WeightSyncConfig
-    from areal_like.types import WeightUpdateMeta
+    from areal_like.core.config import WeightSyncConfig
+    from areal_like.core.types import WeightUpdateMeta
     from weight_sync import DistWeightReceiver
 
     receiver = DistWeightReceiver(WeightSyncConfig(type="dist", timeout_s=120), rid)
@@ -215,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
-    from areal_like.config import WeightSyncConfig
+    from areal_like.core.config import WeightSyncConfig
     from weight_sync import DistWeightSender
 
     cfg = WeightSyncConfig(type="dist", bucket_mb=args.bucket_mb, timeout_s=120, store_addr="127.0.0.1:0")

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from areal_like.types import AgentLoopOutput, SamplingParams
+from areal_like.core.types import AgentLoopOutput, SamplingParams
 from rollout_cluster.agent_loop.base import AgentLoopBase
 from rollout_cluster.agent_loop.chat import ChatTemplate
 from rollout_cluster.tool_parser import HermesToolParser, ToolParser

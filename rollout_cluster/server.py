@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import EmbeddedEngineConfig, VLLMEngineConfig
-from areal_like.types import GenerateResult, SamplingParams
+from areal_like.core.config import EmbeddedEngineConfig, VLLMEngineConfig
+from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine.base import (
     AsyncGenerateEngine,
     InterruptMode,
@@ -71,7 +71,7 @@ def build_engine(
 
 def _maybe_tokenizer(model_path: Path) -> Any | None:
     """The model folder's tokenizer, or None (token-id prompts still work) if it has none."""
-    from areal_like.tiny_model import load_tokenizer
+    from areal_like.models.tiny_model import load_tokenizer
 
     if not any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         logger.warning("%s has no tokenizer; the HTTP API will accept token ids only", model_path)
@@ -101,7 +101,7 @@ class RolloutServer:
         model_name: str | None = None,
         max_sessions: int = 10000,
     ) -> None:
-        from rollout_cluster.http_api import SessionTokens
+        from rollout_cluster.sessions import SessionTokens
 
         if isinstance(engine, (str, Path)):
             model_path = Path(engine)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from areal_like.types import GenerateResult, SamplingParams
+from areal_like.core.types import GenerateResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 

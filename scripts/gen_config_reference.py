@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from areal_like.config import ExperimentConfig
+from areal_like.core.config import ExperimentConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config_reference.md"
 
@@ -60,7 +60,7 @@ def render() -> str:
     lines = [
         "# Config reference",
         "",
-        "Generated from the pydantic models in `areal_like/config.py` by",
+        "Generated from the pydantic models in `areal_like/core/config.py` by",
         "`python scripts/gen_config_reference.py`; do not edit by hand. Every key can be set in a",
         "YAML file or overridden with `--set section.key=value`. Backend sections are chosen by",
         "their `type` field.",

@@ -18,13 +18,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     import torch
 
     torch.set_num_threads(1)
-    from areal_like.tiny_model import init_model
+    from areal_like.models.tiny_model import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
-    from areal_like.tiny_model import load_tokenizer
+    from areal_like.models.tiny_model import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)

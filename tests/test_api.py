@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_like.metrics import read_jsonl
+from areal_like.core.metrics import read_jsonl
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from areal_like.audit import audit_run
-from areal_like.config import ExperimentConfig
-from areal_like.metrics import MetricsLog
-from areal_like.run_dir import RunDir
+from areal_like.core.config import ExperimentConfig
+from areal_like.core.metrics import MetricsLog
+from areal_like.orchestration.audit import audit_run
+from areal_like.orchestration.run_dir import RunDir
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_audit_fails_on_tampered_logprob(fake_run, tmp_path) -> None:
 
     copy = tmp_path / "copy"
     shutil.copytree(fake_run.path, copy)
-    from areal_like.run_dir import RunDir as R
+    from areal_like.orchestration.run_dir import RunDir as R
 
     rd = R(copy)
     _tamper(rd, lambda ls: ls[2]["response_logprobs"].__setitem__(5, ls[2]["response_logprobs"][5] - 0.01))
@@ -104,7 +104,7 @@ def test_audit_checks_lag_and_reports_missing(fake_run, tmp_path) -> None:
 def test_audit_and_report_commands(fake_run) -> None:
     from typer.testing import CliRunner
 
-    from areal_like.cli import app
+    from areal_like.orchestration.cli import app
 
     r = CliRunner().invoke(app, ["audit", str(fake_run.path)])
     assert r.exit_code == 0, r.output

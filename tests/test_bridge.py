@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from areal_like.bridge import TrainerLostError, drive_rollout
-from areal_like.types import VersionAnnouncement
+from areal_like.core.types import VersionAnnouncement
+from areal_like.orchestration.bridge import TrainerLostError, drive_rollout
 
 
 class FakeSubscriber:

@@ -7,8 +7,14 @@ import time
 import pytest
 import zmq
 
-from areal_like.channels import ChannelError, ControlPublisher, ControlSubscriber, DataPuller, DataPusher
-from areal_like.types import RolloutStats, VersionAnnouncement
+from areal_like.core.types import RolloutStats, VersionAnnouncement
+from areal_like.orchestration.channels import (
+    ChannelError,
+    ControlPublisher,
+    ControlSubscriber,
+    DataPuller,
+    DataPusher,
+)
 
 
 def _recv(ch, timeout=5.0):

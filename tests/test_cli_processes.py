@@ -16,7 +16,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).parent.parent
-CLI = [sys.executable, "-m", "areal_like.cli"]
+CLI = [sys.executable, "-m", "areal_like.orchestration.cli"]
 
 
 def _common(model: Path, run_dir: Path, base_port: int) -> list[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_like.config import ConfigError, ExperimentConfig, dump_config, load_config
+from areal_like.core.config import ConfigError, ExperimentConfig, dump_config, load_config
 
 CONFIGS = sorted(p for p in (Path(__file__).parent.parent / "configs").glob("*.yaml") if not p.name.startswith("sft_"))
 

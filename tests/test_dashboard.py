@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from areal_like.dashboard import SERIES, Dashboard, build_data
-from areal_like.metrics import MetricsLog, MetricsRegistry
+from areal_like.core.metrics import MetricsLog, MetricsRegistry
+from areal_like.orchestration.dashboard import SERIES, Dashboard, build_data
 
 
 @dataclass

@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from areal_like.dashboard import Dashboard
-from areal_like.metrics import MetricsLog, MetricsRegistry
+from areal_like.core.metrics import MetricsLog, MetricsRegistry
+from areal_like.orchestration.dashboard import Dashboard
 from tests.test_dashboard import feed_synthetic_run
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import json
 import aiohttp
 import pytest
 
-from areal_like.config import load_config
+from areal_like.core.config import load_config
 from tests.test_dashboard_browser import _CDP, CHROMIUM, OUT_DIR, _start_chromium, _terminate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -43,7 +43,7 @@ async def _look(ws_url: str, page_url: str) -> tuple[dict[str, int], bytes]:
 def test_dashboard_of_a_real_run(tiny_model_dir, tmp_path) -> None:
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
-    from areal_like.launch import run_both
+    from areal_like.orchestration.launch import run_both
 
     cfg = load_config("configs/quickstart.yaml", [
         f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "train.total_steps=6", "train.batch_size=2",

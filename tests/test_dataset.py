@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from areal_like.config import DatasetConfig
-from areal_like.dataset import DatasetError, PromptSource, load_rows
+from areal_like.core.config import DatasetConfig
+from areal_like.orchestration.dataset import DatasetError, PromptSource, load_rows
 
 
 def test_generated_train_and_eval_are_disjoint() -> None:

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from areal_like.metrics import read_jsonl
+from areal_like.core.metrics import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # the chain fixture: 4 launches
 
 ROOT = Path(__file__).parent.parent
-CLI = [sys.executable, "-m", "areal_like.cli"]
+CLI = [sys.executable, "-m", "areal_like.orchestration.cli"]
 HOOKS = Path(__file__).parent / "fault_hooks"
 TOTAL = 8
 B = 2 * 4  # train.batch_size × rollout.group_size

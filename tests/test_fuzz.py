@@ -2,7 +2,7 @@
 accepts it as a valid value or refuses it with its own clear error — never a crash
 (another exception type), never an unbounded allocation, never a hang.
 
-- the msgpack frame decoder (`areal_like.wire.decode`): arbitrary bytes, arbitrary
+- the msgpack frame decoder (`areal_like.core.wire.decode`): arbitrary bytes, arbitrary
   msgpack trees, mutated valid frames, hostile headers and nesting;
 - configs: arbitrary `--set` overrides and YAML files; pool sizes the machine cannot hold;
 - datasets: arbitrary JSONL rows and bytes;
@@ -34,10 +34,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_like.config import ConfigError, DatasetConfig, ExperimentConfig, load_config
-from areal_like.dataset import DatasetError, load_rows
-from areal_like.types import Trajectory
-from areal_like.wire import MESSAGE_TYPES, WireError, decode, encode
+from areal_like.core.config import ConfigError, DatasetConfig, ExperimentConfig, load_config
+from areal_like.core.types import Trajectory
+from areal_like.core.wire import MESSAGE_TYPES, WireError, decode, encode
+from areal_like.orchestration.dataset import DatasetError, load_rows
 
 FUZZ = settings(
     max_examples=150, deadline=None, derandomize=True, database=None,
@@ -246,7 +246,7 @@ def test_config_yaml_tags_are_not_executed(tmp_path: Path) -> None:
     ],
 )
 def test_impossible_pool_sizes_are_refused_before_start(overrides: list[str], needle: str) -> None:
-    from areal_like.launch import check_resources
+    from areal_like.orchestration.launch import check_resources
 
     with pytest.raises(ConfigError, match=needle):
         check_resources(load_config(None, overrides))
@@ -258,7 +258,7 @@ def test_impossible_pool_sizes_are_refused_before_start(overrides: list[str], ne
 def test_gpu_configs_refused_on_a_machine_without_gpus(override: str) -> None:
     import torch
 
-    from areal_like.launch import check_resources
+    from areal_like.orchestration.launch import check_resources
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -269,7 +269,7 @@ def test_gpu_configs_refused_on_a_machine_without_gpus(override: str) -> None:
 
 
 def test_quickstart_pools_fit() -> None:
-    from areal_like.launch import check_resources
+    from areal_like.orchestration.launch import check_resources
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("the quickstart reserves 2 CPUs")
@@ -349,7 +349,7 @@ def test_dataset_bad_rows_refused(tmp_path: Path, line: bytes, needle: str) -> N
 
 
 def test_prompts_over_the_context_limit_are_filtered_and_counted(tokenizer: Any) -> None:
-    from areal_like.dataset import PromptSource
+    from areal_like.orchestration.dataset import PromptSource
 
     rows = [{"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"},
             {"prompt": [{"role": "user", "content": "9" * 5000}], "answer": "9"}]
@@ -428,8 +428,8 @@ def test_calculator_answers_or_refuses_quickly(expression: str) -> None:
 
 
 def test_a_model_that_calls_tools_forever_is_stopped(tokenizer: Any) -> None:
-    from areal_like.config import AgentConfig
-    from areal_like.types import SamplingParams
+    from areal_like.core.config import AgentConfig
+    from areal_like.core.types import SamplingParams
     from rollout_cluster.agent_loop import ToolAgentLoop
     from rollout_cluster.server_manager import ServerManager
     from rollout_cluster.tools import CalculatorTool
@@ -460,7 +460,7 @@ def test_a_model_that_calls_tools_forever_is_stopped(tokenizer: Any) -> None:
      ("0.5", "bad_value")],
 )
 def test_rewards_returning_non_finite_or_junk_are_refused(value: Any, reason: str) -> None:
-    from areal_like.types import AgentLoopOutput
+    from areal_like.core.types import AgentLoopOutput
     from rollout_cluster.rewards import RewardError, compute_reward
 
     out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_logprobs=[-0.1],
@@ -471,7 +471,7 @@ def test_rewards_returning_non_finite_or_junk_are_refused(value: Any, reason: st
 
 
 def test_numpy_scalar_rewards_are_numbers() -> None:
-    from areal_like.types import AgentLoopOutput
+    from areal_like.core.types import AgentLoopOutput
     from rollout_cluster.rewards import compute_reward
 
     out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_logprobs=[-0.1],
@@ -481,7 +481,7 @@ def test_numpy_scalar_rewards_are_numbers() -> None:
 
 
 def test_a_hanging_reward_times_out_without_blocking_the_loop() -> None:
-    from areal_like.types import AgentLoopOutput
+    from areal_like.core.types import AgentLoopOutput
     from rollout_cluster.rewards import RewardError, compute_reward
 
     out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_logprobs=[-0.1],
@@ -516,7 +516,7 @@ def _weights(engine: Any) -> dict[str, Any]:
 def test_non_finite_loss_or_gradient_skips_the_step(tiny_model_dir: Path, where: str) -> None:
     import torch
 
-    from areal_like.config import LossConfig, TrainConfig
+    from areal_like.core.config import LossConfig, TrainConfig
     from train_cluster.batch import build_batch
     from train_cluster.torch_engine import TorchTrainEngine
 

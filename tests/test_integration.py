@@ -10,15 +10,15 @@ import json
 
 import pytest
 
-from areal_like.config import load_config
-from areal_like.metrics import read_jsonl
+from areal_like.core.config import load_config
+from areal_like.core.metrics import read_jsonl
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def real_run(tiny_model_dir, tmp_path_factory):
-    from areal_like.launch import run_both
+    from areal_like.orchestration.launch import run_both
 
     run_dir = tmp_path_factory.mktemp("integration") / "run"
     cfg = load_config(
@@ -62,7 +62,7 @@ def test_lag_bound_and_counts(real_run) -> None:
 
 def test_interrupts_happened_inside_single_turns(real_run) -> None:
     _, run_dir, _ = real_run
-    from areal_like.audit import _spans_versions_within_turn
+    from areal_like.orchestration.audit import _spans_versions_within_turn
 
     trajs = read_jsonl(run_dir / "trajectories.jsonl")
     spanning = [t for t in trajs if _spans_versions_within_turn(t["response_mask"], t["response_versions"])]
@@ -85,7 +85,7 @@ def test_metrics_summary_eval_and_final_export(real_run) -> None:
 
 
 def test_audit_passes_on_the_run(real_run) -> None:
-    from areal_like.audit import audit_run
+    from areal_like.orchestration.audit import audit_run
 
     _, run_dir, _ = real_run
     rep = audit_run(run_dir, tol=1e-3)
@@ -94,8 +94,8 @@ def test_audit_passes_on_the_run(real_run) -> None:
 
 
 def test_run_dir_refused_then_resumed(real_run) -> None:
-    from areal_like.launch import run_both
-    from areal_like.run_dir import RunDirError
+    from areal_like.orchestration.launch import run_both
+    from areal_like.orchestration.run_dir import RunDirError
 
     cfg, run_dir, _ = real_run
     with pytest.raises(RunDirError, match="already exists"):

@@ -8,16 +8,16 @@ import threading
 
 import torch
 
-from areal_like.bridge import drive_rollout, make_sender
-from areal_like.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
-from areal_like.config import load_config
-from areal_like.dataset import PromptSource
-from areal_like.metrics import MetricsLog, read_jsonl
-from areal_like.rollout_controller import RolloutController
-from areal_like.run_dir import RunDir
-from areal_like.staleness import StalenessGate
-from areal_like.trainer_controller import TrainerController
-from areal_like.types import SamplingParams, WeightUpdateMeta
+from areal_like.core.config import load_config
+from areal_like.core.metrics import MetricsLog, read_jsonl
+from areal_like.core.staleness import StalenessGate
+from areal_like.core.types import SamplingParams, WeightUpdateMeta
+from areal_like.orchestration.bridge import drive_rollout, make_sender
+from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
+from areal_like.orchestration.dataset import PromptSource
+from areal_like.orchestration.rollout_controller import RolloutController
+from areal_like.orchestration.run_dir import RunDir
+from areal_like.orchestration.trainer_controller import TrainerController
 from tests.test_rollout_controller import FakeRollout, _rows
 
 
@@ -149,8 +149,8 @@ def test_silent_rollout_side_stops_the_trainer_with_a_checkpoint(tmp_path) -> No
 
     import pytest
 
-    from areal_like.trainer_controller import RunAborted
-    from areal_like.types import RolloutStats
+    from areal_like.core.types import RolloutStats
+    from areal_like.orchestration.trainer_controller import RunAborted
 
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "train.total_steps=5", "train.batch_size=2",
                              "rollout.group_size=4", "transport.peer_timeout_s=1.5"])

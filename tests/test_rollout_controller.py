@@ -8,11 +8,9 @@ import random
 
 import pytest
 
-from areal_like.buffer import TrajectoryBuffer
-from areal_like.dataset import PromptSource
-from areal_like.rollout_controller import RolloutController
-from areal_like.staleness import StalenessGate
-from areal_like.types import (
+from areal_like.core.buffer import TrajectoryBuffer
+from areal_like.core.staleness import StalenessGate
+from areal_like.core.types import (
     AgentLoopOutput,
     RolloutStats,
     SamplingParams,
@@ -20,6 +18,8 @@ from areal_like.types import (
     VersionAnnouncement,
     WeightUpdateMeta,
 )
+from areal_like.orchestration.dataset import PromptSource
+from areal_like.orchestration.rollout_controller import RolloutController
 
 
 def _rows(n: int = 50) -> list[dict]:

@@ -7,9 +7,9 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from areal_like.config import ExperimentConfig
-from areal_like.metrics import MetricsLog, MetricsRegistry, read_jsonl
-from areal_like.run_dir import RunDir, RunDirError
+from areal_like.core.config import ExperimentConfig
+from areal_like.core.metrics import MetricsLog, MetricsRegistry, read_jsonl
+from areal_like.orchestration.run_dir import RunDir, RunDirError
 
 
 def test_existing_run_dir_is_refused(tmp_path) -> None:

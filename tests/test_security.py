@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_like.config import ConfigError, ExperimentConfig, load_config
+from areal_like.core.config import ConfigError, ExperimentConfig, load_config
 
 ROOT = Path(__file__).parent.parent
 PACKAGES = ["areal_like", "rollout_cluster", "train_cluster", "weight_sync"]
@@ -105,7 +105,7 @@ def test_no_unsafe_deserialisation_or_eval_in_our_packages() -> None:
 def test_checkpoint_with_a_pickled_payload_is_refused_without_running_it(tiny_model_dir, tmp_path) -> None:
     import torch
 
-    from areal_like.config import TrainConfig
+    from areal_like.core.config import TrainConfig
     from train_cluster.torch_engine import TorchTrainEngine
 
     marker = tmp_path / "pwned"
@@ -136,7 +136,7 @@ def test_every_listener_defaults_to_loopback() -> None:
     assert cfg.metrics.dashboard_host == "127.0.0.1"
     import inspect
 
-    from areal_like.launch import ray_env
+    from areal_like.orchestration.launch import ray_env
     from rollout_cluster.server import RolloutServer
 
     assert inspect.signature(RolloutServer.start_http).parameters["host"].default == "127.0.0.1"
@@ -144,7 +144,7 @@ def test_every_listener_defaults_to_loopback() -> None:
 
 
 def test_zmq_channel_beyond_loopback_needs_a_secret() -> None:
-    from areal_like.channels import ChannelError, ControlPublisher, DataPuller
+    from areal_like.orchestration.channels import ChannelError, ControlPublisher, DataPuller
 
     for cls in (DataPuller, ControlPublisher):
         with pytest.raises(ChannelError, match="without transport.secret"):

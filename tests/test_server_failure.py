@@ -10,24 +10,24 @@ import asyncio
 
 import pytest
 
-from areal_like.buffer import TrajectoryBuffer
-from areal_like.config import load_config
-from areal_like.dataset import PromptSource, load_rows
-from areal_like.rollout_controller import RolloutController
-from areal_like.staleness import StalenessGate
-from areal_like.types import (
+from areal_like.core.buffer import TrajectoryBuffer
+from areal_like.core.config import load_config
+from areal_like.core.staleness import StalenessGate
+from areal_like.core.types import (
     RolloutStats,
     SamplingParams,
     TrajectoryGroup,
     VersionAnnouncement,
     WeightUpdateMeta,
 )
+from areal_like.orchestration.dataset import PromptSource, load_rows
+from areal_like.orchestration.rollout_controller import RolloutController
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_killed_server_mid_run_loses_no_episode(tiny_model_dir) -> None:
-    from areal_like.tiny_model import load_tokenizer
+    from areal_like.models.tiny_model import load_tokenizer
     from rollout_cluster.agent_loop.runner import AgentRunner
     from rollout_cluster.server import RolloutServer
     from rollout_cluster.server_manager import ServerManager

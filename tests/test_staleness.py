@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from areal_like.buffer import OUTCOMES, TrajectoryBuffer
-from areal_like.staleness import StalenessGate
-from areal_like.types import Trajectory, TrajectoryGroup
+from areal_like.core.buffer import OUTCOMES, TrajectoryBuffer
+from areal_like.core.staleness import StalenessGate
+from areal_like.core.types import Trajectory, TrajectoryGroup
 
 
 def _group(gid: str, version: int, rewards: list[float], failed: int = 0, rejected: int = 0) -> TrajectoryGroup:

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_sweep_staleness_command(tiny_model_dir, tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from areal_like.cli import app
+    from areal_like.orchestration.cli import app
 
     r = CliRunner().invoke(app, [
         "sweep-staleness", "configs/quickstart.yaml", "--eta", "0,2",

@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from areal_like.core.types import AgentLoopOutput
+from areal_like.models.tiny_model import CALL_PREFIX, CALL_SUFFIX
 from areal_like.tasks.arithmetic import (
     CalculatorError,
     arithmetic_reward,
@@ -13,8 +15,6 @@ from areal_like.tasks.arithmetic import (
     extract_answer,
     generate_problems,
 )
-from areal_like.tiny_model import CALL_PREFIX, CALL_SUFFIX
-from areal_like.types import AgentLoopOutput
 
 
 def test_generator_is_seeded_and_answers_are_exact() -> None:

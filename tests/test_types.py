@@ -7,7 +7,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from areal_like.types import AgentLoopOutput, GenerateResult, SamplingParams, Trajectory, TrajectoryGroup
+from areal_like.core.types import AgentLoopOutput, GenerateResult, SamplingParams, Trajectory, TrajectoryGroup
 
 
 def _kw(**over):

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from areal_like.types import (
+from areal_like.core.types import (
     GenerateRequest,
     GenerateResult,
     SamplingParams,
@@ -16,7 +16,7 @@ from areal_like.types import (
     VersionAnnouncement,
     WeightUpdateMeta,
 )
-from areal_like.wire import TensorBundle, WireError, decode, encode
+from areal_like.core.wire import TensorBundle, WireError, decode, encode
 
 
 def _traj(i: int = 0, n: int = 1000) -> Trajectory:

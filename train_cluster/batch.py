@@ -23,8 +23,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from areal_like.config import LossConfig
-from areal_like.types import Trajectory
+from areal_like.core.config import LossConfig
+from areal_like.core.types import Trajectory
 from train_cluster.losses import group_advantages
 
 __all__ = ["TrainBatch", "build_batch", "pack_sequences", "balanced_partition", "shard_batch", "split_mini_batches"]

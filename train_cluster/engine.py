@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_like.config import LossConfig, TrainConfig
+from areal_like.core.config import LossConfig, TrainConfig
 from train_cluster.batch import TrainBatch, balanced_partition, pack_sequences, split_mini_batches
 from train_cluster.losses import aggregate, decoupled_ppo_loss, kl_k3, token_entropy, token_logprobs
 

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from areal_like.config import ConfigError
+from areal_like.core.config import ConfigError
 
 __all__ = ["SFTConfig", "load_sft_config", "run_sft", "build_example", "sampled_accuracy"]
 
@@ -142,8 +142,8 @@ def run_sft(cfg: SFTConfig, force: bool = False) -> Path:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
+    from areal_like.models.tiny_model import init_model, load_tokenizer
     from areal_like.tasks.arithmetic import generate_problems
-    from areal_like.tiny_model import init_model, load_tokenizer
 
     out = Path(cfg.out) if cfg.out else Path(".cache/sft") / _config_hash(cfg)
     done = out / "sft_done.json"
@@ -214,8 +214,8 @@ def sampled_accuracy(model: Any, tokenizer: Any, n: int, seed: int, temperature:
     """
     import torch
 
+    from areal_like.models.tiny_model import CALL_PREFIX, CALL_SUFFIX
     from areal_like.tasks.arithmetic import calculate, extract_answer, generate_problems
-    from areal_like.tiny_model import CALL_PREFIX, CALL_SUFFIX
 
     problems = generate_problems(n, seed=seed + 99_991)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areal_like.config import TorchBackendConfig, TrainConfig
+from areal_like.core.config import TorchBackendConfig, TrainConfig
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from areal_like.config import TorchBackendConfig, TrainConfig
+from areal_like.core.config import TorchBackendConfig, TrainConfig
 from train_cluster.batch import TrainBatch, balanced_partition
 
 __all__ = ["TrainWorkerGroup", "TrainWorkerDied"]

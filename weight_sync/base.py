@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areal_like.types import WeightUpdateMeta
+from areal_like.core.types import WeightUpdateMeta
 
 __all__ = ["WeightSender", "WeightReceiver", "TransferStats", "NamedTensors"]
 

@@ -27,9 +27,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from areal_like import wire
-from areal_like.config import WeightSyncConfig
-from areal_like.types import TensorMeta, WeightUpdateMeta
+from areal_like.core import wire
+from areal_like.core.config import WeightSyncConfig
+from areal_like.core.types import TensorMeta, WeightUpdateMeta
 from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, WeightSender
 from weight_sync.meta import WeightSyncError, check_spec, checksum, spec_of, tensor_digest
 

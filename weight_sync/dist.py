@@ -61,8 +61,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_like.config import WeightSyncConfig
-from areal_like.types import TensorMeta, WeightUpdateMeta
+from areal_like.core.config import WeightSyncConfig
+from areal_like.core.types import TensorMeta, WeightUpdateMeta
 from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, WeightSender
 from weight_sync.meta import (
     FlatLayout,

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from areal_like.config import WeightSyncConfig
-from areal_like.types import TensorMeta
+from areal_like.core.config import WeightSyncConfig
+from areal_like.core.types import TensorMeta
 from weight_sync.base import WeightReceiver, WeightSender
 from weight_sync.disk import DiskWeightReceiver, DiskWeightSender
 from weight_sync.dist import DistWeightReceiver, DistWeightSender

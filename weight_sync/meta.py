@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areal_like.types import TensorMeta
+from areal_like.core.types import TensorMeta
 
 __all__ = [
     "WeightSyncError",

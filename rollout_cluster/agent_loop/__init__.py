@@ -4,9 +4,9 @@ Importing this package registers the built-in loops `single_turn` and `tool_agen
 The controller needs only `AgentRunner` (see `runner.py` for what it raises).
 """
 
-from rollout_cluster.agent_loop.base import AGENT_LOOPS, AgentLoopBase, register, resolve_agent_loop
+from rollout_cluster.agent_loop.base import AGENT_LOOPS, AgentLoopBase, register
 from rollout_cluster.agent_loop.chat import ChatTemplate, template_ids
-from rollout_cluster.agent_loop.runner import AgentRunner, EpisodeAbortedError
+from rollout_cluster.agent_loop.runner import AgentRunner, EpisodeAbortedError, resolve_agent_loop
 from rollout_cluster.agent_loop.single_turn import SingleTurnAgentLoop
 from rollout_cluster.agent_loop.tool_agent import AgentState, ToolAgentLoop, truncate_text
 

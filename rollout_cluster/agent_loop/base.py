@@ -23,17 +23,15 @@ from __future__ import annotations
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
-from areal_like.config import AgentConfig
-from areal_like.types import AgentLoopOutput, SamplingParams
+from areal_like.core.config import AgentConfig
+from areal_like.core.types import AgentLoopOutput, SamplingParams
 from rollout_cluster.agent_loop.chat import ChatTemplate
-from rollout_cluster.loader import UserCodeError, is_user_code_spec, load_object
 from rollout_cluster.tool_parser import ToolParser, get_tool_parser
 from rollout_cluster.tools.base import BaseTool
 
-__all__ = ["AGENT_LOOPS", "AgentLoopBase", "register", "resolve_agent_loop"]
+__all__ = ["AGENT_LOOPS", "AgentLoopBase", "register"]
 
 
 class AgentLoopBase(ABC):
@@ -116,26 +114,3 @@ def register(name: str) -> Callable[[_L], _L]:
         return cls
 
     return deco
-
-
-def resolve_agent_loop(
-    spec: str | type[AgentLoopBase] | Callable[..., Any], *, base_dir: str | Path | None = None
-) -> type[AgentLoopBase]:
-    """A loop class from a registered name, a class, user code, or an OpenAI-shaped agent function."""
-    obj: Any = spec
-    if isinstance(spec, str):
-        if spec in AGENT_LOOPS:
-            return AGENT_LOOPS[spec]
-        if not is_user_code_spec(spec):
-            raise UserCodeError(
-                f"agent loop {spec!r} is neither registered ({sorted(AGENT_LOOPS)}) "
-                "nor user code ('path/to/file.py:Name' or 'package.module:Name')"
-            )
-        obj = load_object(spec, base_dir=base_dir, what="agent loop")
-    if isinstance(obj, type) and issubclass(obj, AgentLoopBase):
-        return obj
-    if callable(obj) and not isinstance(obj, type):
-        from rollout_cluster.openai_client import make_openai_agent_loop
-
-        return make_openai_agent_loop(obj)
-    raise UserCodeError(f"agent loop {spec!r} is neither an AgentLoopBase subclass nor an agent function")

@@ -22,13 +22,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import AgentConfig, ExperimentConfig
-from areal_like.types import AgentLoopOutput, SamplingParams
-from rollout_cluster.agent_loop.base import AgentLoopBase, resolve_agent_loop
+from areal_like.core.config import AgentConfig, ExperimentConfig
+from areal_like.core.types import AgentLoopOutput, SamplingParams
+from rollout_cluster.agent_loop.base import AGENT_LOOPS, AgentLoopBase
+from rollout_cluster.loader import UserCodeError, is_user_code_spec, load_object
+from rollout_cluster.openai_client import make_openai_agent_loop
 from rollout_cluster.rewards import RewardError, RewardFn, compute_reward, load_reward
 from rollout_cluster.tools import BaseTool, build_tools
 
-__all__ = ["AgentRunner", "EpisodeAbortedError"]
+__all__ = ["AgentRunner", "EpisodeAbortedError", "resolve_agent_loop"]
 
 
 class EpisodeAbortedError(Exception):
@@ -123,3 +125,24 @@ class AgentRunner:
         elif not math.isfinite(output.reward):
             raise RewardError("not_finite", f"agent loop set reward {output.reward}")
         return output.reward
+
+
+def resolve_agent_loop(
+    spec: str | type[AgentLoopBase] | Callable[..., Any], *, base_dir: str | Path | None = None
+) -> type[AgentLoopBase]:
+    """A loop class from a registered name, a class, user code, or an OpenAI-shaped agent function."""
+    obj: Any = spec
+    if isinstance(spec, str):
+        if spec in AGENT_LOOPS:
+            return AGENT_LOOPS[spec]
+        if not is_user_code_spec(spec):
+            raise UserCodeError(
+                f"agent loop {spec!r} is neither registered ({sorted(AGENT_LOOPS)}) "
+                "nor user code ('path/to/file.py:Name' or 'package.module:Name')"
+            )
+        obj = load_object(spec, base_dir=base_dir, what="agent loop")
+    if isinstance(obj, type) and issubclass(obj, AgentLoopBase):
+        return obj
+    if callable(obj) and not isinstance(obj, type):
+        return make_openai_agent_loop(obj)
+    raise UserCodeError(f"agent loop {spec!r} is neither an AgentLoopBase subclass nor an agent function")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_like.types import AgentLoopOutput, SamplingParams
+from areal_like.core.types import AgentLoopOutput, SamplingParams
 from rollout_cluster.agent_loop.base import AgentLoopBase, register
 
 __all__ = ["SingleTurnAgentLoop"]

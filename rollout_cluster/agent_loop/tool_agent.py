@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_like.types import AgentLoopOutput, GenerateResult, SamplingParams
+from areal_like.core.types import AgentLoopOutput, GenerateResult, SamplingParams
 from rollout_cluster.agent_loop.base import AgentLoopBase, register
 from rollout_cluster.tool_parser import ToolCall
 from rollout_cluster.tools.base import ToolOutcome, call_tool

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from areal_like.types import GenerateResult, SamplingParams
+from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine.base import (
     DuplicateRequestError,
     Engine,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import ValidationError
 
-from areal_like.types import GenerateResult, SamplingParams, StopReason
+from areal_like.core.types import GenerateResult, SamplingParams, StopReason
 
 if TYPE_CHECKING:
     import torch

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from areal_like.config import EmbeddedEngineConfig
-from areal_like.types import GenerateResult, SamplingParams, StopReason
+from areal_like.core.config import EmbeddedEngineConfig
+from areal_like.core.types import GenerateResult, SamplingParams, StopReason
 from rollout_cluster.engine.base import (
     INTERRUPT_MODES,
     DuplicateRequestError,

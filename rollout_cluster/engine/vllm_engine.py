@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import VLLMEngineConfig
-from areal_like.types import GenerateResult, SamplingParams, StopReason
+from areal_like.core.config import VLLMEngineConfig
+from areal_like.core.types import GenerateResult, SamplingParams, StopReason
 from rollout_cluster.engine.base import (
     INTERRUPT_MODES,
     DuplicateRequestError,

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from areal_like.config import AgentConfig, ToolSpec
+from areal_like.core.config import AgentConfig, ToolSpec
 from rollout_cluster.loader import UserCodeError, is_user_code_spec, load_object
 from rollout_cluster.tools.base import (
     BaseTool,

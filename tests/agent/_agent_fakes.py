@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from areal_like.types import GenerateResult, SamplingParams
+from areal_like.core.types import GenerateResult, SamplingParams
 
 
 def turn_logprobs(turn: int, n: int) -> list[float]:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import AgentConfig
-from areal_like.types import AgentLoopOutput, SamplingParams
+from areal_like.core.config import AgentConfig
+from areal_like.core.types import AgentLoopOutput, SamplingParams
 from rollout_cluster.agent_loop import AgentRunner, ToolAgentLoop, resolve_agent_loop
 from rollout_cluster.agent_loop.chat import template_ids
 from rollout_cluster.openai_client import ChatClient, OpenAIAgentLoop, RejectEpisode, make_openai_agent_loop

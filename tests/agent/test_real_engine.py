@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from areal_like.config import AgentConfig, EmbeddedEngineConfig
-from areal_like.types import AgentLoopOutput, GenerateResult, SamplingParams
+from areal_like.core.config import AgentConfig, EmbeddedEngineConfig
+from areal_like.core.types import AgentLoopOutput, GenerateResult, SamplingParams
 from rollout_cluster.agent_loop import ToolAgentLoop
 from rollout_cluster.server_manager import ServerManager
 from rollout_cluster.tools import CalculatorTool

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from areal_like.types import AgentLoopOutput
+from areal_like.core.types import AgentLoopOutput
 from rollout_cluster.loader import UserCodeError
 from rollout_cluster.rewards import RewardError, compute_reward, load_reward
 

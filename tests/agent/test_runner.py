@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from areal_like.config import ExperimentConfig
-from areal_like.types import AgentLoopOutput, SamplingParams
+from areal_like.core.config import ExperimentConfig
+from areal_like.core.types import AgentLoopOutput, SamplingParams
 from rollout_cluster.agent_loop import (
     AgentLoopBase,
     AgentRunner,

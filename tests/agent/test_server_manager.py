@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from areal_like.config import AgentConfig
-from areal_like.types import SamplingParams
+from areal_like.core.config import AgentConfig
+from areal_like.core.types import SamplingParams
 from rollout_cluster.agent_loop import ToolAgentLoop
 from rollout_cluster.server_manager import NoServerAvailableError, RayServer, ServerManager
 from rollout_cluster.tools import CalculatorTool

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from areal_like.config import AgentConfig, ToolSpec
-from areal_like.types import AgentLoopOutput, SamplingParams
+from areal_like.core.config import AgentConfig, ToolSpec
+from areal_like.core.types import AgentLoopOutput, SamplingParams
 from rollout_cluster.agent_loop import ChatTemplate, ToolAgentLoop, truncate_text
 from rollout_cluster.agent_loop.chat import template_ids
 from rollout_cluster.server_manager import ServerManager

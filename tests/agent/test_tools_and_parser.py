@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_like.config import AgentConfig, ToolSpec
+from areal_like.core.config import AgentConfig, ToolSpec
 from rollout_cluster.loader import UserCodeError, load_object
 from rollout_cluster.tool_parser import HermesToolParser, get_tool_parser
 from rollout_cluster.tools import (

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_like.config import EmbeddedEngineConfig
-from areal_like.types import GenerateResult, SamplingParams
+from areal_like.core.config import EmbeddedEngineConfig
+from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine import (
     DuplicateRequestError,
     EmbeddedEngine,

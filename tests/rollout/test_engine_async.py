@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_like.config import EmbeddedEngineConfig
-from areal_like.types import SamplingParams
+from areal_like.core.config import EmbeddedEngineConfig
+from areal_like.core.types import SamplingParams
 from rollout_cluster.engine import AsyncEngine, EmbeddedEngine, EngineClosedError, PromptTooLongError
 
 torch.set_num_threads(1)

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_like.config import VLLMEngineConfig
-from areal_like.types import SamplingParams
+from areal_like.core.config import VLLMEngineConfig
+from areal_like.core.types import SamplingParams
 from rollout_cluster.engine import InvalidSamplingParamsError
 from rollout_cluster.engine.sampling import mix_seed
 from rollout_cluster.engine.vllm_engine import (
@@ -171,7 +171,7 @@ class _Harness:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from areal_like.tiny_model import load_tokenizer
+        from areal_like.models.tiny_model import load_tokenizer
 
         self.model_dir = model_dir
         self.tok = load_tokenizer(model_dir)

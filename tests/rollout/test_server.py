@@ -8,11 +8,12 @@ import aiohttp
 import pytest
 import torch
 
-from areal_like.config import EmbeddedEngineConfig
-from areal_like.types import SamplingParams
+from areal_like.core.config import EmbeddedEngineConfig
+from areal_like.core.types import SamplingParams
 from rollout_cluster.engine import InvalidSamplingParamsError, PromptTooLongError
-from rollout_cluster.http_api import SessionTokens, prometheus_text, sampling_from_openai
+from rollout_cluster.http_api import prometheus_text, sampling_from_openai
 from rollout_cluster.server import RolloutServer
+from rollout_cluster.sessions import SessionTokens
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from areal_like.types import Trajectory
+from areal_like.core.types import Trajectory
 
 
 def make_trajectories(

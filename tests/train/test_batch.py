@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_like.config import LossConfig, TrainConfig
+from areal_like.core.config import LossConfig, TrainConfig
 from train_cluster.batch import (
     balanced_partition,
     build_batch,

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from areal_like.config import LossConfig, MegatronBackendConfig, TrainConfig  # noqa: E402
+from areal_like.core.config import LossConfig, MegatronBackendConfig, TrainConfig  # noqa: E402
 from train_cluster.batch import build_batch  # noqa: E402
 from train_cluster.megatron import hf_to_megatron, megatron_to_hf  # noqa: E402
 from train_cluster.torch_engine import TorchTrainEngine, free_port, init_train_group  # noqa: E402

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from areal_like.config import LossConfig, MegatronBackendConfig, TorchBackendConfig, TrainConfig
+from areal_like.core.config import LossConfig, MegatronBackendConfig, TorchBackendConfig, TrainConfig
 from train_cluster.batch import build_batch
 from train_cluster.engine import STAT_KEYS, lr_factor
 from train_cluster.torch_engine import TorchTrainEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_like.config import LossConfig, TorchBackendConfig, TrainConfig
+from areal_like.core.config import LossConfig, TorchBackendConfig, TrainConfig
 from train_cluster.batch import build_batch
 from train_cluster.torch_engine import TorchTrainEngine
 from train_cluster.worker_group import TrainWorkerGroup

@@ -61,9 +61,9 @@ def receiver_main(
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[{receiver_id}] %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    from areal_like import wire
-    from areal_like.config import WeightSyncConfig
-    from areal_like.types import TensorMeta, WeightUpdateMeta
+    from areal_like.core import wire
+    from areal_like.core.config import WeightSyncConfig
+    from areal_like.core.types import TensorMeta, WeightUpdateMeta
     from weight_sync import DistWeightReceiver, WeightSyncError
     from weight_sync import dist as dist_mod
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_like.config import WeightSyncConfig
+from areal_like.core.config import WeightSyncConfig
 from weight_sync import DiskWeightReceiver, DiskWeightSender, WeightSyncError, spec_of
 from weight_sync import disk as disk_mod
 

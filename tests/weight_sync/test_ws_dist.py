@@ -21,9 +21,9 @@ import torch
 from _ws_workers import receiver_main, tensor_digest
 from safetensors.torch import load_file
 
-from areal_like import wire
-from areal_like.config import WeightSyncConfig
-from areal_like.types import WeightUpdateMeta
+from areal_like.core import wire
+from areal_like.core.config import WeightSyncConfig
+from areal_like.core.types import WeightUpdateMeta
 from weight_sync import DistWeightSender
 
 TIMEOUT_S = 3.0

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from areal_like.config import WeightSyncConfig
-from areal_like.types import WeightUpdateMeta
+from areal_like.core.config import WeightSyncConfig
+from areal_like.core.types import WeightUpdateMeta
 from weight_sync import (
     DiskWeightReceiver,
     DiskWeightSender,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_like import wire
-from areal_like.types import TensorMeta, WeightUpdateMeta
+from areal_like.core import wire
+from areal_like.core.types import TensorMeta, WeightUpdateMeta
 from weight_sync.meta import (
     FlatLayout,
     WeightSyncError,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_like.config import MegatronBackendConfig, TrainConfig
+from areal_like.core.config import MegatronBackendConfig, TrainConfig
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
 from train_cluster.megatron.convert import hf_to_megatron, megatron_to_hf, padded_vocab_size

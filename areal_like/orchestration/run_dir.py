@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import ExperimentConfig, dump_config
-from areal_like.types import TrajectoryGroup
+from areal_like.core.config import ExperimentConfig, dump_config
+from areal_like.core.types import TrajectoryGroup
 
 __all__ = ["RunDir", "RunDirError"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 from pydantic import BaseModel
 
-from areal_like.wire import WireError, decode, encode
+from areal_like.core.wire import WireError, decode, encode
 
 __all__ = ["DataPusher", "DataPuller", "ControlPublisher", "ControlSubscriber", "ChannelError"]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from areal_like.channels import ControlSubscriber, DataPusher
-from areal_like.rollout_controller import RolloutController
-from areal_like.types import VersionAnnouncement
+from areal_like.core.types import VersionAnnouncement
+from areal_like.orchestration.channels import ControlSubscriber, DataPusher
+from areal_like.orchestration.rollout_controller import RolloutController
 
 __all__ = ["make_sender", "drive_rollout", "TrainerLostError"]
 

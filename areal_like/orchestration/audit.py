@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from areal_like.metrics import read_jsonl
+from areal_like.core.metrics import read_jsonl
 
 __all__ = ["AuditReport", "audit_run"]
 

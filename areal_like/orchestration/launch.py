@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import ConfigError, ExperimentConfig
+from areal_like.core.config import ConfigError, ExperimentConfig
 
 __all__ = ["resolve_model_path", "RolloutSide", "TrainerSide", "run_both", "check_resources", "ray_env"]
 
@@ -52,7 +52,7 @@ def resolve_model_path(cfg: ExperimentConfig) -> Path:
             candidates.append(Path(cfg.source).parent / p)
             candidates.append(Path(cfg.source).parent.parent / p)
         candidates.append(Path.cwd() / p)
-        pkg = Path(__file__).parent
+        pkg = Path(__file__).resolve().parents[1]  # the areal_like package
         candidates.append(pkg.parent / p)
         if p.parts and p.parts[0] == "areal_like":
             candidates.append(pkg.joinpath(*p.parts[1:]))
@@ -137,13 +137,13 @@ class RolloutSide:
     async def main(self) -> dict[str, Any]:
         import torch
 
-        from areal_like.bridge import drive_rollout, make_sender
-        from areal_like.channels import ControlSubscriber, DataPusher
-        from areal_like.dataset import PromptSource, load_rows
-        from areal_like.rollout_controller import RolloutController
-        from areal_like.staleness import StalenessGate
-        from areal_like.tiny_model import load_tokenizer
-        from areal_like.types import SamplingParams, WeightUpdateMeta
+        from areal_like.core.staleness import StalenessGate
+        from areal_like.core.types import SamplingParams, WeightUpdateMeta
+        from areal_like.models.tiny_model import load_tokenizer
+        from areal_like.orchestration.bridge import drive_rollout, make_sender
+        from areal_like.orchestration.channels import ControlSubscriber, DataPusher
+        from areal_like.orchestration.dataset import PromptSource, load_rows
+        from areal_like.orchestration.rollout_controller import RolloutController
         from rollout_cluster.agent_loop.runner import AgentRunner
         from rollout_cluster.server import RolloutServer
         from rollout_cluster.server_manager import ServerManager
@@ -303,9 +303,9 @@ class TrainerSide:
 
     def __init__(self, cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False,
                  placement_group: Any = None, on_step: Any = None, check_peers: Any = None) -> None:
-        from areal_like.channels import ControlPublisher, DataPuller
-        from areal_like.metrics import MetricsLog, MetricsRegistry
-        from areal_like.run_dir import RunDir
+        from areal_like.core.metrics import MetricsLog, MetricsRegistry
+        from areal_like.orchestration.channels import ControlPublisher, DataPuller
+        from areal_like.orchestration.run_dir import RunDir
         from weight_sync import make_sender
 
         self.cfg = cfg
@@ -315,7 +315,7 @@ class TrainerSide:
         self.registry = MetricsRegistry()
         tb = self.run_dir.path / "tensorboard" if cfg.metrics.tensorboard else None
         self.mlog = MetricsLog(self.run_dir.metrics, tb, cfg.metrics.wandb_project)
-        from areal_like.dashboard import Dashboard
+        from areal_like.orchestration.dashboard import Dashboard
 
         # refuses a non-loopback bind without a token before anything else starts
         self.dashboard = Dashboard(self.mlog, self.registry, host=cfg.metrics.dashboard_host,
@@ -338,7 +338,7 @@ class TrainerSide:
         return self.puller.addr, self.publisher.addr
 
     def run(self) -> dict[str, int]:
-        from areal_like.trainer_controller import TrainerController
+        from areal_like.orchestration.trainer_controller import TrainerController
         from train_cluster.worker_group import TrainWorkerGroup
 
         cfg = self.cfg
@@ -359,7 +359,7 @@ class TrainerSide:
         return summary
 
     def export_final(self, trainer: Any) -> None:
-        from areal_like.run_dir import save_hf_folder
+        from areal_like.orchestration.run_dir import save_hf_folder
 
         save_hf_folder(self.run_dir.final, dict(trainer.named_weights()), self.model_path)
         log.info("final model exported to %s", self.run_dir.final)
@@ -410,7 +410,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_resources(cfg)
-    from areal_like.run_dir import RunDir
+    from areal_like.orchestration.run_dir import RunDir
 
     RunDir(cfg.run.dir).check(resume=resume, overwrite=overwrite)  # refuse before starting anything
     for k, v in ray_env().items():

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import ExperimentConfig
-from areal_like.metrics import read_jsonl
+from areal_like.core.config import ExperimentConfig
+from areal_like.core.metrics import read_jsonl
 
 __all__ = ["sweep_staleness", "summarise_run"]
 
@@ -41,7 +41,7 @@ def summarise_run(run_dir: Path, eta: int) -> dict[str, Any]:
 
 
 def sweep_staleness(cfg: ExperimentConfig, etas: list[int], out_dir: Path) -> list[dict[str, Any]]:
-    from areal_like.launch import run_both
+    from areal_like.orchestration.launch import run_both
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []

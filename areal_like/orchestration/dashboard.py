@@ -88,7 +88,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from areal_like.metrics import MetricsLog, MetricsRegistry
+from areal_like.core.metrics import MetricsLog, MetricsRegistry
 
 __all__ = ["Dashboard", "build_data", "SERIES"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from areal_like.metrics import read_jsonl
+from areal_like.core.metrics import read_jsonl
 
 __all__ = ["make_report"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from areal_like.types import TrajectoryGroup
+from areal_like.core.types import TrajectoryGroup
 
 __all__ = ["TrajectoryBuffer", "OUTCOMES"]
 

@@ -24,9 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from areal_like.dataset import PromptSource
-from areal_like.staleness import StalenessGate
-from areal_like.types import (
+from areal_like.core.staleness import StalenessGate
+from areal_like.core.types import (
     AgentLoopOutput,
     RolloutStats,
     SamplingParams,
@@ -35,6 +34,7 @@ from areal_like.types import (
     VersionAnnouncement,
     WeightUpdateMeta,
 )
+from areal_like.orchestration.dataset import PromptSource
 
 __all__ = ["RolloutController"]
 

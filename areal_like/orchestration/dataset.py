@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from areal_like.config import DatasetConfig
+from areal_like.core.config import DatasetConfig
 
 __all__ = ["DatasetError", "load_rows", "normalise_row", "PromptSource"]
 

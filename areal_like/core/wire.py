@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from areal_like.types import (
+from areal_like.core.types import (
     GenerateRequest,
     GenerateResult,
     RolloutStats,

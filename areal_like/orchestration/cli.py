@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from areal_like.config import ConfigError, ExperimentConfig
+from areal_like.core.config import ConfigError, ExperimentConfig
 
 app = typer.Typer(
     help="areal_like: fully asynchronous, decoupled RL for language models.",
@@ -30,7 +30,7 @@ def model_init(
     seed: int = typer.Option(0, help="Initialisation seed."),
 ) -> None:
     """Create the small Qwen2 model and its character tokenizer (no model hub needed)."""
-    from areal_like.tiny_model import init_model
+    from areal_like.models.tiny_model import init_model
 
     path = init_model(out, seed=seed)
     typer.echo(f"wrote model and tokenizer to {path}")
@@ -54,7 +54,7 @@ def sft(
 
 
 def _load(config: Path, set_: list[str]) -> ExperimentConfig:
-    from areal_like.config import load_config
+    from areal_like.core.config import load_config
 
     try:
         return load_config(config, set_)
@@ -71,9 +71,9 @@ def run(
     overwrite: bool = typer.Option(False, help="Replace an existing run.dir."),
 ) -> None:
     """Run both clusters on this machine (embedded Ray, one placement group per pool)."""
-    from areal_like.launch import check_resources, resolve_model_path, run_both
-    from areal_like.run_dir import RunDirError
-    from areal_like.trainer_controller import RunAborted
+    from areal_like.orchestration.launch import check_resources, resolve_model_path, run_both
+    from areal_like.orchestration.run_dir import RunDirError
+    from areal_like.orchestration.trainer_controller import RunAborted
 
     cfg = _load(config, set_)
     try:
@@ -95,7 +95,7 @@ def rollout(
     resume: bool = typer.Option(False, help="Accepted for symmetry: the trainer tells the rollout side where to resume."),
 ) -> None:
     """Run the rollout cluster only; it connects to the trainer's data/control addresses."""
-    from areal_like.launch import RolloutSide
+    from areal_like.orchestration.launch import RolloutSide
 
     cfg = _load(config, set_)
     try:
@@ -117,9 +117,9 @@ def train(
 
     import ray
 
-    from areal_like.launch import TrainerSide, init_ray, ray_env
-    from areal_like.run_dir import RunDirError
-    from areal_like.trainer_controller import RunAborted
+    from areal_like.orchestration.launch import TrainerSide, init_ray, ray_env
+    from areal_like.orchestration.run_dir import RunDirError
+    from areal_like.orchestration.trainer_controller import RunAborted
 
     cfg = _load(config, set_)
     for k, v in ray_env().items():
@@ -175,7 +175,7 @@ def sweep_staleness_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from areal_like.sweep import sweep_staleness
+    from areal_like.orchestration.sweep import sweep_staleness
 
     try:
         etas = [int(x) for x in eta.split(",") if x.strip()]
@@ -205,7 +205,7 @@ def audit(
     """Recompute recorded behaviour logprobs under each token's version; check the invariants."""
     import json
 
-    from areal_like.audit import audit_run
+    from areal_like.orchestration.audit import audit_run
 
     rep = audit_run(run_dir, tol=tol)
     typer.echo(json.dumps(rep.as_dict(), indent=2))
@@ -228,7 +228,7 @@ def report(
     out: Path = typer.Option(None, help="Where to write report.png/report.txt (default: the run folder)."),
 ) -> None:
     """Plot a run's metrics (reward, lag histogram, throughput, idle ratios) and summarise it."""
-    from areal_like.report import make_report
+    from areal_like.orchestration.report import make_report
 
     try:
         png, text = make_report(run_dir, out)

@@ -26,12 +26,18 @@ from typing import Any, Protocol
 
 import torch
 
-from areal_like.buffer import TrajectoryBuffer
-from areal_like.channels import ControlPublisher, DataPuller
-from areal_like.config import ExperimentConfig
-from areal_like.metrics import MetricsLog, MetricsRegistry
-from areal_like.run_dir import RunDir
-from areal_like.types import RolloutStats, Trajectory, TrajectoryGroup, VersionAnnouncement, WeightUpdateMeta
+from areal_like.core.buffer import TrajectoryBuffer
+from areal_like.core.config import ExperimentConfig
+from areal_like.core.metrics import MetricsLog, MetricsRegistry
+from areal_like.core.types import (
+    RolloutStats,
+    Trajectory,
+    TrajectoryGroup,
+    VersionAnnouncement,
+    WeightUpdateMeta,
+)
+from areal_like.orchestration.channels import ControlPublisher, DataPuller
+from areal_like.orchestration.run_dir import RunDir
 
 __all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted"]
 
