@@ -13,7 +13,7 @@
     )
     summary = trainer.train()
 
-Classes and callables are passed directly (DESIGN.md §9.10): reward functions, tools
+Classes and callables are passed directly (docs/design.md §9.10): reward functions, tools
 (plain functions or `BaseTool` instances) and agent loops (`{"name": Class}`). They reach
 the rollout side inside the one Ray cluster `train()` starts, which is the only place
 Ray's own serialisation is used (§9.7). Several reward functions are summed, as in TRL.

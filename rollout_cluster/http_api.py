@@ -266,7 +266,7 @@ class HttpServer:
         return app
 
     async def start(self, host: str, port: int) -> str:
-        """Bind and serve. A host beyond loopback needs an `api_key` (DESIGN.md §9.7)."""
+        """Bind and serve. A host beyond loopback needs an `api_key` (docs/design.md §9.7)."""
         from aiohttp import web
 
         if not _is_loopback_host(host) and not self.api_key:

@@ -1,4 +1,4 @@
-"""The one place user code named in a config is imported (DESIGN.md §9.10).
+"""The one place user code named in a config is imported (docs/design.md §9.10).
 
 Configs name built-in components by a typed name and user code as
 `path/to/file.py:Name` or `package.module:Name`. Everything that accepts user code

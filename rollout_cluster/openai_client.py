@@ -5,7 +5,7 @@ tools=...)` and keeps its history as messages. Re-rendering those messages with 
 chat template on every call would re-tokenize what the model generated, which is
 not what it generated (parsers drop text, decode/encode is not an identity), and
 RL on such trajectories trains on tokens the policy never sampled (verl's agent
-loop docs; DESIGN.md §9.17, invariant 4).
+loop docs; docs/design.md §9.17, invariant 4).
 
 `ChatClient` is therefore stateful, one per episode. It keeps the token sequence
 the conversation has produced so far and the messages it stands for. When a call

@@ -1,6 +1,6 @@
 """`RolloutServer`: one engine, its weight-update entry point, health, metrics and HTTP.
 
-The server is what the orchestrator and the agent loops talk to (DESIGN.md §4). It
+The server is what the orchestrator and the agent loops talk to (docs/design.md §4). It
 adds nothing to generation itself; it:
 
 - hosts one `AsyncGenerateEngine` (the embedded engine behind `AsyncEngine`, or the

@@ -1,5 +1,5 @@
 """The real loop on 2 cores: embedded Ray, separate pools, the embedded engine, the torch
-trainer, gloo weight sync, ZMQ channels (DESIGN.md §3, issue 'asynchronous orchestration').
+trainer, gloo weight sync, ZMQ channels (docs/design.md §3, issue 'asynchronous orchestration').
 
 One short run (η = 1) is shared by the tests below; they assert from what it recorded.
 """

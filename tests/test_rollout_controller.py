@@ -1,5 +1,5 @@
 """The rollout schedule with fake episodes and a fake trainer: the real gate, buffer
-and controller (invariants 1 and 5, DESIGN.md §9.3-9.5)."""
+and controller (invariants 1 and 5, docs/design.md §9.3-9.5)."""
 
 from __future__ import annotations
 

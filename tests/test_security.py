@@ -1,4 +1,4 @@
-"""Security (issue #10, item 3; DESIGN.md §9.7).
+"""Security (issue #10, item 3; docs/design.md §9.7).
 
 - No pickle, marshal, eval/exec, unsafe YAML or `torch.load` without `weights_only=True`
   in our packages (a source scan — the scanner itself is tested on bad snippets), and

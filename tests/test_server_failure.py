@@ -1,7 +1,7 @@
 """A rollout server dies mid-run: its episodes move to the other server, none is lost.
 
 Real engines, real server manager, real agent loops and controller; the trainer is a
-small fake consuming groups through the real buffer (DESIGN.md §3 invariant 5, §9.5).
+small fake consuming groups through the real buffer (docs/design.md §3 invariant 5, §9.5).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def build_batch(
 
     Advantages are normalised per group (`group_ids`, default each trajectory's
     `group_id`) over the members present here — a group that lost failed members is
-    normalised over the rest (DESIGN.md §9.4). They must be computed on the whole
+    normalised over the rest (docs/design.md §9.4). They must be computed on the whole
     global batch, before it is sharded across data-parallel ranks, since a group may
     straddle ranks. π_prox is not filled here: it needs the trainer's current weights.
     """

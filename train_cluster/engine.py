@@ -8,7 +8,7 @@ how to reach its parameters and how to checkpoint; the decoupled-PPO step itself
 micro-batches and data-parallel ranks, the non-finite skip, the statistics — is
 written once here, so both backends train the same objective.
 
-A train step is exactly one version (DESIGN.md §1): with `train.mini_batches = k`
+A train step is exactly one version (docs/design.md §1): with `train.mini_batches = k`
 it takes k optimizer steps and the version still advances by one. π_prox is the
 weights at the start of the step, for every mini-batch. A mini-batch whose loss or
 gradient norm is not finite is not applied (its gradients are dropped); a step in

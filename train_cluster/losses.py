@@ -4,7 +4,7 @@ Everything here is a function of tensors in and tensors out: no model, no
 optimizer, no distributed state, so each piece can be checked against numbers
 worked out by hand (tests/train/test_losses.py).
 
-The three policies (DESIGN.md §1):
+The three policies (docs/design.md §1):
 - π_behav: the weights that *sampled* each token (possibly several versions old,
   possibly several versions within one trajectory after an interrupt);
 - π_prox: the trainer's weights at the start of the current train step,
@@ -91,7 +91,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: tor
     """log π(target | prefix) = log_softmax(logits / T)[target], per position.
 
     The temperature is the one the sampler used for that token's request: the
-    behaviour logprobs of DESIGN.md §1 are defined at T, so π_prox and π_θ must be
+    behaviour logprobs of docs/design.md §1 are defined at T, so π_prox and π_θ must be
     too, or the importance weight compares different distributions.
     `logits` is [N, V], `targets` and `temperature` are [N].
     """
@@ -143,7 +143,7 @@ def decoupled_ppo_loss(
     `aggregate`, so the same terms serve token-mean and sequence-mean losses and
     sums across micro-batches and data-parallel ranks.
 
-    `naive_ppo_ablation=True` is the ablation of DESIGN.md §9.16: π_old = π_behav,
+    `naive_ppo_ablation=True` is the ablation of docs/design.md §9.16: π_old = π_behav,
     no importance weight. Callers log it loudly; it is never a default.
     """
     mask = mask.to(logprobs.dtype)

@@ -1,7 +1,7 @@
 """Supervised warm start of the small model on the arithmetic task's format.
 
 RL needs a policy that already sometimes calls the tool and copies its result;
-a random model never gets reward. The recipe (DESIGN.md §8): 25% tool traces
+a random model never gets reward. The recipe (docs/design.md §8): 25% tool traces
 (call the calculator, read the result, answer with it) and 75% direct answers,
 loss on assistant tokens only. After ~1500 steps of batch 64 the model samples
 (T=1) correct answers ~20% of the time: tool rate ~0.25, ~0.75 correct when the

@@ -106,7 +106,7 @@ class TrainWorkerGroup:
     """`train.backend.world_size` Ray actors training one model together (module docstring).
 
     Call `ray.init(...)` first (with `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` and
-    `RAY_AUTH_MODE=disabled` on a single CPU machine, DESIGN.md §8). Pass the train
+    `RAY_AUTH_MODE=disabled` on a single CPU machine, docs/design.md §8). Pass the train
     pool's `placement_group` to keep the actors inside it.
     """
 

@@ -2,7 +2,7 @@
 
 Why a group built by hand: the trainer already has a default process group (DDP/FSDP)
 and `init_process_group` can run once per process; `ray.util.collective` reuses the
-default group and hangs (DESIGN.md §8). So the sender hosts its own `TCPStore`
+default group and hangs (docs/design.md §8). So the sender hosts its own `TCPStore`
 (`weight_sync.store_addr`, port 0 = pick) and every group generation is a
 `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) constructed directly on a
 `PrefixStore("gen{g}/")` of it. Nothing here touches the default group.
@@ -25,7 +25,7 @@ What travels where:
   sender how many receivers accepted. A receiver's own refusal (its expected spec or
   the checksum) stays local: the others activate the version.
 
-Membership is fixed per generation (DESIGN.md §9.15). The sender waits up to
+Membership is fixed per generation (docs/design.md §9.15). The sender waits up to
 `timeout_s` for the receivers it knows to be ready; a known receiver that does not
 show up is dropped, a ready receiver it did not know is added, and any change (or
 any failed collective, on either side) starts generation g+1 with a fresh group on a

@@ -2,7 +2,7 @@
 
 Mission text calls it the replay buffer; nothing is replayed: every sample is
 trained on at most once (invariant 5). Groups arrive whole from the rollout side
-and leave whole (DESIGN.md §9.4):
+and leave whole (docs/design.md §9.4):
 
 - at arrival, members that failed or were rejected by the workflow are counted;
   a group left with fewer than 2 members (or fewer than its full size when that
@@ -13,7 +13,7 @@ and leave whole (DESIGN.md §9.4):
 
 Every sample ends in exactly one bucket of `OUTCOMES`. `consumed` and `dropped`
 (cumulative, in samples) go out in the trainer's version announcements so the
-rollout gate frees capacity for drops (DESIGN.md §9.3).
+rollout gate frees capacity for drops (docs/design.md §9.3).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class TrajectoryBuffer:
         return len(self._queue)
 
     def summary(self, started: int, cancelled: int) -> dict[str, int]:
-        """Outcome counts (DESIGN.md §9.5); `started` must equal the sum of the rest."""
+        """Outcome counts (docs/design.md §9.5); `started` must equal the sum of the rest."""
         out = dict(self.counts)
         out["buffered"] = self.depth
         out["cancelled"] = cancelled

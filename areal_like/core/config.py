@@ -399,7 +399,7 @@ class ExperimentConfig(_Section):
 
     @property
     def samples_per_step(self) -> int:
-        """B of DESIGN.md §1: trajectories per train step."""
+        """B of docs/design.md §1: trajectories per train step."""
         return self.train.batch_size * self.rollout.group_size
 
 

@@ -1,9 +1,9 @@
 """Metrics: one stream of named numbers to JSONL, Prometheus and (optionally) TensorBoard/W&B.
 
-The metrics registry is a contract (DESIGN.md §9.8): components record into a
+The metrics registry is a contract (docs/design.md §9.8): components record into a
 `MetricsRegistry` without knowing where numbers go. `MetricsLog` writes the run
 folder's `metrics.jsonl` (one JSON object per line, each with `time`, `kind` and
-`trainer_version`, DESIGN.md §7) and mirrors scalars to TensorBoard/W&B when asked.
+`trainer_version`, docs/design.md §7) and mirrors scalars to TensorBoard/W&B when asked.
 """
 
 from __future__ import annotations

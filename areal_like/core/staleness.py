@@ -7,7 +7,7 @@ A new group of n episodes is admitted only while
 where `v` is the newest weight version the rollout side has loaded, `B` the samples
 per train step, `running` the episodes started and not finished, and `accepted` the
 samples handed to the trainer side and not later dropped (filtered, over-stale,
-failed). Groups are admitted whole: a group of n occupies n (DESIGN.md §9.3).
+failed). Groups are admitted whole: a group of n occupies n (docs/design.md §9.3).
 
 Why it bounds staleness: by the time the trainer is at version `v_t` it has trained
 on `v_t · B` samples, oldest first. A sample admitted while the rollout side was at

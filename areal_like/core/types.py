@@ -1,6 +1,6 @@
 """Typed messages shared by every component.
 
-These are the contracts of DESIGN.md §4: what a generate call takes and returns,
+These are the contracts of docs/design.md §4: what a generate call takes and returns,
 what an agent loop produces, what crosses from the rollout cluster to the trainer
 (a `TrajectoryGroup`), and what the trainer announces back (`VersionAnnouncement`,
 `WeightUpdateMeta`). They import nothing heavy, so `import areal_like` stays light.
@@ -218,7 +218,7 @@ class TrajectoryGroup(_Strict):
 
 
 class RolloutStats(_Strict):
-    """Rollout-side numbers sent to the trainer over the data channel (DESIGN.md §9.6).
+    """Rollout-side numbers sent to the trainer over the data channel (docs/design.md §9.6).
 
     `kind`: `stats` (periodic), `eval` (a held-out evaluation at `loaded_version`,
     accuracy in `metrics`), `final` (the rollout side stopped; `cancelled` is final).
@@ -237,7 +237,7 @@ class VersionAnnouncement(_Strict):
     """Trainer → rollout on the control channel: a new version exists.
 
     `consumed` and `dropped` are cumulative sample counts since the run began; the
-    gate uses them to free capacity (DESIGN.md §9.3).
+    gate uses them to free capacity (docs/design.md §9.3).
     """
 
     version: int = Field(ge=0)

@@ -4,7 +4,7 @@ No model hub is reachable, so the quickstart model is made here from a config.
 The tokenizer is character-level (one token per character) with a few added
 tokens: the chat markers, the hermes tool-call tags, and, crucially for learning
 speed, the fixed JSON prefix and suffix of a calculator call as single tokens, so a
-whole call is about ten generated tokens (DESIGN.md §8).
+whole call is about ten generated tokens (docs/design.md §8).
 
 The chat template renders hermes tool calls (`<tool_call>{json}</tool_call>`) for
 assistant messages with `tool_calls`, and tool responses in a `tool` role wrapped in

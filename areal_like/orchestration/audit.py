@@ -8,7 +8,7 @@ token's logprob is exactly what its own version gives). It also checks provenanc
 (invariant 2), the staleness bound at consume time (invariant 1), that no episode
 was trained twice and that the outcome counts add up (invariant 5).
 
-Detection is by recomputation, never by checksum (DESIGN.md §9.14). A run made
+Detection is by recomputation, never by checksum (docs/design.md §9.14). A run made
 with `rollout.interrupt_mode=keep` is reported as violating invariant 3 by design.
 """
 

@@ -1,4 +1,4 @@
-"""ZMQ channels between the two clusters (DESIGN.md §9.6): typed msgpack frames only.
+"""ZMQ channels between the two clusters (docs/design.md §9.6): typed msgpack frames only.
 
 - data: rollout PUSH → trainer PULL. Trajectory groups and rollout stats. PUSH
   blocks when the trainer's receive queue (`hwm` frames) is full, which is the

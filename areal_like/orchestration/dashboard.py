@@ -1,14 +1,14 @@
 """The live dashboard: one page, one JSON endpoint, Prometheus `/metrics`, `/health`.
 
 Why it looks like this. The trainer side owns the run folder and every number that
-reaches it (DESIGN.md §9.6), so the dashboard reads exactly what `metrics.jsonl`
+reaches it (docs/design.md §9.6), so the dashboard reads exactly what `metrics.jsonl`
 gets — the `MetricsLog`'s in-memory `recent` records — plus the `MetricsRegistry`
 for `/metrics` and for the reward distribution (records carry only the step mean,
 the registry's `areal_like_reward` histogram sees every trained sample). It runs a
 standard-library `ThreadingHTTPServer` on a daemon thread: no event loop to share
 with the caller, nothing to install, and the caller never blocks. The page is plain
 HTML with a small hand-written SVG chart script shipped in the package
-(`areal_like/assets/dashboard/`); nothing is fetched at run time (DESIGN.md §9.22),
+(`areal_like/assets/dashboard/`); nothing is fetched at run time (docs/design.md §9.22),
 which the page's Content-Security-Policy (`default-src 'self'`) also enforces.
 
 Security. The dashboard shows a run's internals and `/metrics`, so it refuses to

@@ -1,4 +1,4 @@
-"""Datasets (DESIGN.md §9.11): rows with `prompt` and `answer`, from files or the built-in task.
+"""Datasets (docs/design.md §9.11): rows with `prompt` and `answer`, from files or the built-in task.
 
 A row is a dict: `prompt` (a string or a list of chat messages), `answer` (ground truth
 for the reward), optional `agent_name`, `data_source`, `extra`. Bad rows are refused

@@ -11,7 +11,7 @@
   pool, the trainer controller in the driver.
 
 `areal-like rollout` / `areal-like train` run one side each and meet at
-`transport.data_addr`, `transport.control_addr` (DESIGN.md §9.6); the weights travel
+`transport.data_addr`, `transport.control_addr` (docs/design.md §9.6); the weights travel
 on the dist group whose store address the metadata carries, or on disk.
 """
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def ray_env() -> dict[str, str]:
-    """Environment for an embedded single-machine Ray (DESIGN.md §8)."""
+    """Environment for an embedded single-machine Ray (docs/design.md §8)."""
     return {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind everything to 127.0.0.1
         "RAY_AUTH_MODE": "disabled",
@@ -121,7 +121,7 @@ class RolloutSide:
         self.cfg = cfg
         self.user = user or {}
         """Objects given through the Python API instead of the config: `rows`, `eval_rows`,
-        `reward_fn`, `tools`, `loops` (DESIGN.md §9.10)."""
+        `reward_fn`, `tools`, `loops` (docs/design.md §9.10)."""
         self.data_addr = data_addr or cfg.transport.data_addr
         self.control_addr = control_addr or cfg.transport.control_addr
         for name, addr in (("data_addr", self.data_addr), ("control_addr", self.control_addr)):

@@ -1,4 +1,4 @@
-"""The run folder (DESIGN.md §7, §9.13): what a run writes and what `--resume` reads.
+"""The run folder (docs/design.md §7, §9.13): what a run writes and what `--resume` reads.
 
     run.dir/
       config.yaml          resolved config

@@ -10,7 +10,7 @@
         every run.checkpoint_every_n_steps: checkpoint trainer + counts + data position
     announce stop; wait for the rollout side's final counts; write the summary
 
-The trainer side owns the run folder, the metrics and the summary (DESIGN.md §9.6).
+The trainer side owns the run folder, the metrics and the summary (docs/design.md §9.6).
 It does not know which backend trains or which transport carries weights: it is
 handed a `TrainerHandle` and a `WeightPublisher`.
 """

@@ -2,7 +2,7 @@
 
 Problems are `abc+def` (3-digit + 3-digit) and `abc*de` (3-digit × 2-digit): a tiny
 model cannot multiply in its head, so it learns to call the calculator and copy the
-result (DESIGN.md §8). Rows follow the dataset format of DESIGN.md §9.11: `prompt`
+result (docs/design.md §8). Rows follow the dataset format of docs/design.md §9.11: `prompt`
 (chat messages), `answer`, `agent_name`, `data_source`.
 
 The calculator parses numbers itself (leading zeros allowed) with a tiny

@@ -1,4 +1,4 @@
-"""The agent-loop contract: one async function per episode (DESIGN.md §4).
+"""The agent-loop contract: one async function per episode (docs/design.md §4).
 
 An agent loop receives a dataset row and sampling parameters, talks to the servers
 through the `ServerManager` (and to tools), and returns an `AgentLoopOutput`, or

@@ -4,7 +4,7 @@ Two levels, in the spirit of vLLM v1 (`EngineCore.step` driven by a client):
 
 - `Engine` is synchronous and step-driven: `add_request`, `step() -> outputs`,
   `abort`, `pause`/`resume`, `load_weights`, and `update_weights`, which owns the
-  whole interrupt protocol of DESIGN.md §9.1 (stop at a step boundary, keep every
+  whole interrupt protocol of docs/design.md §9.1 (stop at a step boundary, keep every
   sampled token with its logprob and version, free all KV computed with old weights,
   prefix cache included, load, set the version, re-prefill prompt + partial, go on).
   The embedded engine implements it; tests drive it directly, one step at a time.
@@ -96,7 +96,7 @@ class RequestOutput:
 
 @dataclass
 class EngineCounters:
-    """Cumulative counters every engine keeps (DESIGN.md §5 interrupt metrics)."""
+    """Cumulative counters every engine keeps (docs/design.md §5 interrupt metrics)."""
 
     generated_tokens: int = 0
     prompt_tokens: int = 0
@@ -242,7 +242,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: NamedTensors, version: int) -> list[RequestOutput]:
-        """The interrupt protocol of DESIGN.md §9.1 for this engine's `interrupt_mode`.
+        """The interrupt protocol of docs/design.md §9.1 for this engine's `interrupt_mode`.
 
         Returns outputs produced during the update (in `wait` mode, the drained
         requests' last tokens; in `recompute` mode, the first tokens sampled from the

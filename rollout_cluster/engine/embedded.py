@@ -22,7 +22,7 @@ admission batch (the n samples of a GRPO group) are prefilled once, and the whol
 cache is dropped on every weight update: KV computed with old weights is never reused
 (invariant 3c).
 
-Interrupts (DESIGN.md §9.1) are `update_weights`: see `interrupt_mode` there.
+Interrupts (docs/design.md §9.1) are `update_weights`: see `interrupt_mode` there.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Batched sampling whose randomness is a function of (request seed, token position).
 
 Why counter-based: after a weight update the engine re-prefills a request and goes
-on decoding (DESIGN.md §9.1). With a stateful generator the resumed request would
+on decoding (docs/design.md §9.1). With a stateful generator the resumed request would
 draw different numbers than it would have uninterrupted; here the Gumbel noise for
 the token at position p of a request with seed s is `hash(s, p, vocab index)`, so an
 interrupted and an uninterrupted run draw identical noise, and a whole batch of
@@ -10,7 +10,7 @@ requests with different seeds is sampled with a handful of tensor ops.
 Gumbel-max: `argmax(logits / T + G)` with G ~ Gumbel(0, 1) i.i.d. is an exact
 sample from `softmax(logits / T)`. Top-k / top-p set the excluded logits to -inf
 first. The behaviour logprob is always `log_softmax(logits / T)` of the chosen token
-with top-k/top-p NOT applied (DESIGN.md §1); greedy (T = 0) reports T = 1.
+with top-k/top-p NOT applied (docs/design.md §1); greedy (T = 0) reports T = 1.
 """
 
 from __future__ import annotations

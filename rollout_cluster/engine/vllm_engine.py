@@ -1,7 +1,7 @@
 """vLLM backend behind the same `AsyncGenerateEngine` face as the embedded engine.
 
 vLLM's `AsyncLLM` (v1) is already asynchronous, so this adapter implements the async
-surface directly instead of a `step()` loop. The interrupt protocol of DESIGN.md
+surface directly instead of a `step()` loop. The interrupt protocol of docs/design.md
 §9.1 stays inside the engine boundary, by abort + resubmit:
 
 1. close the gate (new generate calls wait), `pause_generation` (mode `abort` for

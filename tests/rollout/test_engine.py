@@ -1,6 +1,6 @@
 """Embedded engine, driven step by step: exactness vs HF, sampling, limits, interrupts.
 
-The interrupt tests pin DESIGN.md invariant 3 / §9.2: a weight update mid-flight
+The interrupt tests pin docs/design.md invariant 3 / §9.2: a weight update mid-flight
 gives single responses with tokens of two versions, the pre-update tokens are those
 an uninterrupted run produces, recompute counters move, and every token's logprob
 equals a fresh forward pass of the weights of its recorded version.

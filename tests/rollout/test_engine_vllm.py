@@ -2,7 +2,7 @@
 failure when vLLM is missing, and (opt-in, `-m vllm`, `scripts/test.sh --vllm`) the
 real engine on the committed quickstart model, checked against an HF forward pass of
 the same weights: greedy and sampled logprobs, a weight update in the middle of
-generation (DESIGN.md invariant 3, §9.1/§9.2), abort, refused requests and updates."""
+generation (docs/design.md invariant 3, §9.1/§9.2), abort, refused requests and updates."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_missing_vllm_fails_at_construction_with_a_clear_message(tiny_model_dir)
 # test reads the engine's current version and the weights recorded for it, so the
 # tests do not depend on their order.
 
-TOL = 1e-3  # fp32 (DESIGN.md §9.14)
+TOL = 1e-3  # fp32 (docs/design.md §9.14)
 
 
 class _Harness:

@@ -1,5 +1,5 @@
 // areal_like live dashboard: polls api/data every 2 s and redraws hand-made SVG charts.
-// Plain script, no library, nothing fetched but api/data (DESIGN.md §9.22). Each chart
+// Plain script, no library, nothing fetched but api/data (docs/design.md §9.22). Each chart
 // element keeps a `data-points` attribute with the number of points (or non-empty bars)
 // it plots, so a headless browser test can tell a drawn chart from an empty one.
 "use strict";
