@@ -106,11 +106,11 @@ def receiver_main(
     """A receiver process: answers each wire-encoded meta with its timings."""
     torch.set_num_threads(1)
     from areal_like import wire
-    from areal_like.core.config import WeightSyncConfig
+    from areal_like.core.config import DistWeightSyncConfig
     from areal_like.core.types import WeightUpdateMeta
     from weight_sync import DistWeightReceiver
 
-    receiver = DistWeightReceiver(WeightSyncConfig(type="dist", timeout_s=120), rid)
+    receiver = DistWeightReceiver(DistWeightSyncConfig(type="dist", timeout_s=120), rid)
     receiver.connect(store_addr)
     raw_store = dist.TCPStore("127.0.0.1", raw_port, None, False, timeout=datetime.timedelta(seconds=120))
     raw_group = _raw_group(raw_store, rank, size, 120)
@@ -215,10 +215,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
-    from areal_like.core.config import WeightSyncConfig
+    from areal_like.core.config import DistWeightSyncConfig
     from weight_sync import DistWeightSender
 
-    cfg = WeightSyncConfig(type="dist", bucket_mb=args.bucket_mb, timeout_s=120, store_addr="127.0.0.1:0")
+    cfg = DistWeightSyncConfig(type="dist", bucket_mb=args.bucket_mb, timeout_s=120, store_addr="127.0.0.1:0")
     sender = DistWeightSender(cfg)
     raw_store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     ctx = mp.get_context("spawn")

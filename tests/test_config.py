@@ -115,3 +115,35 @@ def test_config_reference_is_current() -> None:
     root = Path(__file__).parent.parent
     r = subprocess.run([sys.executable, "scripts/gen_config_reference.py", "--check"], cwd=root)
     assert r.returncode == 0, "docs/config_reference.md is stale: run python scripts/gen_config_reference.py"
+
+
+_RUN_CONFIGS = sorted(p for p in (Path(__file__).parents[1] / "configs").glob("*.yaml") if not p.name.startswith("sft"))
+
+
+@pytest.mark.parametrize("path", _RUN_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("engine", ["embedded", "vllm"])
+def test_every_shipped_config_switches_engine_by_override(path, engine, caplog):
+    """`--set rollout.engine.type=...` works from any shipped config: keys of the other
+    engine variant in the file are dropped with a note, not refused."""
+    from areal_like.core.config import EmbeddedEngineConfig, VLLMEngineConfig
+
+    cfg = load_config(path, [f"rollout.engine.type={engine}"])
+    assert isinstance(cfg.rollout.engine, {"embedded": EmbeddedEngineConfig, "vllm": VLLMEngineConfig}[engine])
+
+
+def test_switching_variant_drops_file_keys_but_refuses_explicit_foreign_keys(caplog):
+    cfg = load_config("configs/quickstart.yaml", ["rollout.engine.type=vllm", "rollout.engine.kv_cache_gb=1"])
+    assert cfg.rollout.engine.kv_cache_gb == 1
+    assert "dropped keys of the other variant" in caplog.text and "rollout.engine.max_batch_size" in caplog.text
+    with pytest.raises(ConfigError, match="max_batch_size: unknown key"):
+        load_config("configs/quickstart.yaml", ["rollout.engine.type=vllm", "rollout.engine.max_batch_size=4"])
+
+
+def test_weight_sync_is_a_union_chosen_by_type(tmp_path):
+    from areal_like.core.config import DiskWeightSyncConfig, DistWeightSyncConfig
+
+    assert isinstance(load_config(None).weight_sync, DistWeightSyncConfig)
+    cfg = load_config(None, ["weight_sync.type=disk", f"weight_sync.disk_path={tmp_path}"])
+    assert isinstance(cfg.weight_sync, DiskWeightSyncConfig) and cfg.weight_sync.disk_path == str(tmp_path)
+    with pytest.raises(ConfigError, match="disk_path: unknown key"):
+        load_config(None, [f"weight_sync.disk_path={tmp_path}"])  # the dist transport has no folder

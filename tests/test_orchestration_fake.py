@@ -51,6 +51,8 @@ class FakeTrainer:
 
 
 class FakeWeights:
+    rendezvous = None
+
     def send(self, version, named_tensors):
         dict(named_tensors)
         return WeightUpdateMeta(version=version, transport="disk", tensors=[], checksum="x")

@@ -73,6 +73,12 @@ class WeightSender(abc.ABC):
     def last_transfer(self) -> TransferStats | None:
         """The most recent finished transfer."""
 
+    @property
+    def rendezvous(self) -> str | None:
+        """Where receivers join before the first version (announced by the trainer), or
+        None for transports that need no membership (disk)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook; transports without resources keep it
         """Release sockets, groups and threads."""
 
@@ -99,6 +105,10 @@ class WeightReceiver(abc.ABC):
     @abc.abstractmethod
     def last_transfer(self) -> TransferStats | None:
         """The most recent transfer attempt, failed or not."""
+
+    def join(self, rendezvous: str) -> None:  # noqa: B027 - transports without membership keep it
+        """Become a member at the sender's `rendezvous` before the first version, so the
+        next transfer includes this receiver (a no-op for transports without membership)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook; transports without resources keep it
         """Release sockets and groups."""

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from areal_like.core import wire
-from areal_like.core.config import WeightSyncConfig
+from areal_like.core.config import DiskWeightSyncConfig
 from areal_like.core.types import TensorMeta, WeightUpdateMeta
 from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, WeightSender
 from weight_sync.meta import WeightSyncError, check_spec, checksum, spec_of, tensor_digest
@@ -42,7 +42,7 @@ WEIGHTS_FILE = "model.safetensors"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
-def _root(cfg: WeightSyncConfig, path: str | os.PathLike[str] | None) -> Path:
+def _root(cfg: DiskWeightSyncConfig, path: str | os.PathLike[str] | None) -> Path:
     root = path if path is not None else cfg.disk_path
     if root is None:
         raise WeightSyncError("disk transport needs weight_sync.disk_path (or a path from the run folder)")
@@ -73,7 +73,7 @@ def _remove_version(folder: Path) -> None:
 class DiskWeightSender(WeightSender):
     """Writes each version under `root/v{N}/`; keeps the newest `keep_versions`."""
 
-    def __init__(self, cfg: WeightSyncConfig, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, cfg: DiskWeightSyncConfig, path: str | os.PathLike[str] | None = None) -> None:
         self.root = _root(cfg, path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_versions = cfg.keep_versions
@@ -145,7 +145,7 @@ class DiskWeightReceiver(WeightReceiver):
 
     def __init__(
         self,
-        cfg: WeightSyncConfig,
+        cfg: DiskWeightSyncConfig,
         path: str | os.PathLike[str] | None = None,
         *,
         expected: list[TensorMeta] | None = None,

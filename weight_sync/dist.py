@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal_like.core.config import WeightSyncConfig
+from areal_like.core.config import DistWeightSyncConfig
 from areal_like.core.types import TensorMeta, WeightUpdateMeta
 from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, WeightSender
 from weight_sync.meta import (
@@ -174,7 +174,7 @@ class DistWeightSender(WeightSender):
     need it, since every meta carries it.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, *, device: str | torch.device = "cpu") -> None:
+    def __init__(self, cfg: DistWeightSyncConfig, *, device: str | torch.device = "cpu") -> None:
         host, port = parse_address(cfg.store_addr)
         self.timeout_s = cfg.timeout_s
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 1024 * 1024))
@@ -184,6 +184,7 @@ class DistWeightSender(WeightSender):
             host, port, None, True, timeout=_timedelta(cfg.timeout_s), wait_for_workers=False
         )
         self.store_addr = f"{host}:{self._store.port}"
+        """host:port of the group's TCPStore (the real port when the config said 0)."""
         self._ctl = dist.PrefixStore(_CTL, self._store)
         self._nonce = uuid.uuid4().hex[:12]
         self._seq = 0
@@ -430,6 +431,10 @@ class DistWeightSender(WeightSender):
         for key in [f"x{seq}/plan", f"x{seq}/ready/n"] + [f"x{seq}/ready/{i}" for i in range(1, n + 1)]:
             self._ctl.delete_key(key)
 
+    @property
+    def rendezvous(self) -> str:
+        return self.store_addr
+
     def close(self) -> None:
         """Finish the running transfer, drop the group and stop the store (receivers see it go)."""
         try:
@@ -451,7 +456,7 @@ class DistWeightReceiver(WeightReceiver):
 
     def __init__(
         self,
-        cfg: WeightSyncConfig,
+        cfg: DistWeightSyncConfig,
         receiver_id: str,
         *,
         expected: list[TensorMeta] | None = None,
@@ -484,6 +489,9 @@ class DistWeightReceiver(WeightReceiver):
     @property
     def generation(self) -> int | None:
         return self._generation
+
+    def join(self, rendezvous: str) -> None:
+        self.connect(rendezvous)
 
     def connect(self, addr: str | None = None) -> None:
         """Connect to the sender's store and register, so the next version includes us."""

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from areal_like.core.config import WeightSyncConfig
+from areal_like.core.config import DistWeightSyncConfig, WeightSyncConfig
 from areal_like.core.types import TensorMeta
 from weight_sync.base import WeightReceiver, WeightSender
 from weight_sync.disk import DiskWeightReceiver, DiskWeightSender
@@ -19,12 +19,13 @@ def make_sender(
     cfg: WeightSyncConfig,
     *,
     device: str | torch.device = "cpu",
-    disk_path: str | os.PathLike[str] | None = None,
+    default_disk_path: str | os.PathLike[str] | None = None,
 ) -> WeightSender:
-    """The trainer rank 0's sender. `disk_path` overrides `cfg.disk_path` (e.g. run.dir/weight_sync)."""
-    if cfg.type == "dist":
+    """The trainer rank 0's sender. The disk transport writes to `weight_sync.disk_path`,
+    or to `default_disk_path` (the run folder's `weight_sync/`) when that is unset."""
+    if isinstance(cfg, DistWeightSyncConfig):
         return DistWeightSender(cfg, device=device)
-    return DiskWeightSender(cfg, disk_path)
+    return DiskWeightSender(cfg, cfg.disk_path or default_disk_path)
 
 
 def make_receiver(
@@ -33,9 +34,9 @@ def make_receiver(
     *,
     expected: list[TensorMeta] | None = None,
     device: str | torch.device = "cpu",
-    disk_path: str | os.PathLike[str] | None = None,
+    default_disk_path: str | os.PathLike[str] | None = None,
 ) -> WeightReceiver:
     """One engine's receiver; `expected` (see `spec_of`) refuses weights of another shape."""
-    if cfg.type == "dist":
+    if isinstance(cfg, DistWeightSyncConfig):
         return DistWeightReceiver(cfg, receiver_id, expected=expected, device=device)
-    return DiskWeightReceiver(cfg, disk_path, expected=expected, device=device)
+    return DiskWeightReceiver(cfg, cfg.disk_path or default_disk_path, expected=expected, device=device)

@@ -8,11 +8,14 @@ component receives only its own sub-config (e.g. the engine gets `rollout.engine
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ConfigError",
@@ -33,6 +36,8 @@ __all__ = [
     "MegatronBackendConfig",
     "LossConfig",
     "WeightSyncConfig",
+    "DistWeightSyncConfig",
+    "DiskWeightSyncConfig",
     "TransportConfig",
     "ClusterConfig",
     "PoolConfig",
@@ -310,21 +315,37 @@ class TrainConfig(_Section):
         return _default_union_type(data, "backend", "torch")
 
 
-class WeightSyncConfig(_Section):
-    type: Literal["dist", "disk"] = "dist"
-    """Transport: torch.distributed broadcast (gloo/NCCL) or safetensors on disk."""
+class _WeightSyncBase(_Section):
     every_n_steps: int = Field(1, ge=1)
     """Publish weights every N train steps."""
-    bucket_mb: float = Field(64.0, gt=0.0)
-    """Bucket size for the broadcast."""
     timeout_s: float = Field(60.0, gt=0.0)
     """Timeout for every collective and wait; a failed transfer keeps the old version."""
+
+
+class DistWeightSyncConfig(_WeightSyncBase):
+    """Weights broadcast over a torch.distributed group (gloo on CPU, NCCL on GPU)."""
+
+    type: Literal["dist"] = "dist"
+    """Which transport (`dist` or `disk`)."""
+    bucket_mb: float = Field(64.0, gt=0.0)
+    """Bucket size for the broadcast."""
     store_addr: str = "127.0.0.1:0"
     """host:port of the weight group's TCPStore on the trainer host (port 0 = pick)."""
+
+
+class DiskWeightSyncConfig(_WeightSyncBase):
+    """Weights as safetensors files on a shared path, completed by a marker file."""
+
+    type: Literal["disk"] = "disk"
+    """Which transport (`dist` or `disk`)."""
     disk_path: str | None = None
-    """Folder for the disk transport (default: run.dir/weight_sync)."""
+    """Folder for the files (default: run.dir/weight_sync)."""
     keep_versions: int = Field(2, ge=1)
-    """Versions kept on disk by the disk transport."""
+    """Versions kept on disk."""
+
+
+WeightSyncConfig = Annotated[DistWeightSyncConfig | DiskWeightSyncConfig, Field(discriminator="type")]
+"""The weight transport, chosen by `weight_sync.type` (`dist` or `disk`)."""
 
 
 class TransportConfig(_Section):
@@ -388,7 +409,7 @@ class ExperimentConfig(_Section):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=DistWeightSyncConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -396,6 +417,11 @@ class ExperimentConfig(_Section):
 
     source: str | None = Field(None, exclude=True)
     """Where this config was loaded from (for resolving relative paths)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_weight_sync_type(cls, data: Any) -> Any:
+        return _default_union_type(data, "weight_sync", "dist")
 
     @property
     def samples_per_step(self) -> int:
@@ -491,9 +517,48 @@ def _section_type(ann: Any) -> Any:
 
 class _UnionFields:
     def __init__(self, members: list[type[BaseModel]]) -> None:
+        self.members = members
         self.model_fields: dict[str, Any] = {}
         for m in members:
             self.model_fields.update(m.model_fields)
+
+
+def _drop_other_variant_keys(data: dict[str, Any], overrides: list[str], where: str) -> None:
+    """`--set rollout.engine.type=vllm` on a file written for the embedded engine: the
+    file's embedded-only keys (`max_batch_size`, ...) would be refused as unknown. When an
+    override switches a section's variant, drop the keys the new variant does not have
+    (keys set by an override are kept, so a real mistake is still refused), with a note."""
+    set_keys = {item.split("=", 1)[0].strip() for item in overrides}
+    for key in set_keys:
+        parts = key.split(".")
+        if parts[-1] != "type" or len(parts) < 2:
+            continue
+        model: Any = ExperimentConfig
+        for p in parts[:-2]:
+            model = _section_type(model.model_fields[p].annotation) if p in getattr(model, "model_fields", {}) else None
+            if model is None:
+                break
+        field = getattr(model, "model_fields", {}).get(parts[-2]) if model is not None else None
+        union = _section_type(field.annotation) if field is not None else None
+        if not isinstance(union, _UnionFields):
+            continue
+        node: Any = data
+        for p in parts[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        chosen = [m for m in union.members if node and node.get("type") in _literal_values(m, "type")]
+        if not chosen:
+            continue
+        section = ".".join(parts[:-1])
+        foreign = [k for k in node if k not in chosen[0].model_fields and f"{section}.{k}" not in set_keys]
+        for k in foreign:
+            del node[k]
+        if foreign:
+            log.warning("%s=%s: dropped keys of the other variant from %s: %s", key, node["type"], where,
+                        ", ".join(f"{section}.{k}" for k in foreign))
+
+
+def _literal_values(model: type[BaseModel], name: str) -> tuple[Any, ...]:
+    return getattr(model.model_fields[name].annotation, "__args__", ())
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -516,6 +581,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         data = loaded
     if overrides:
         data = apply_overrides(data, list(overrides))
+        _drop_other_variant_keys(data, list(overrides), where)
         where += " with overrides " + " ".join(overrides)
     try:
         cfg = ExperimentConfig.model_validate(data)

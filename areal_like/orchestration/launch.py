@@ -180,7 +180,7 @@ class RolloutSide:
         eval_rows = (self.user.get("eval_rows") or load_rows(cfg.dataset, "eval", cfg.run.seed))[: cfg.eval.num_samples]
         receiver = make_receiver(
             cfg.weight_sync, f"rollout-{socket.gethostname()}-{os.getpid()}",
-            disk_path=cfg.weight_sync.disk_path or str(Path(cfg.run.dir) / "weight_sync"),
+            default_disk_path=Path(cfg.run.dir) / "weight_sync",
         )
         pusher = DataPusher(self.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
         subscriber = ControlSubscriber(self.control_addr, cfg.transport.secret)
@@ -194,8 +194,8 @@ class RolloutSide:
             return version
 
         async def join_weights(ann: Any) -> None:
-            if ann.weight_store and hasattr(receiver, "connect"):
-                await asyncio.to_thread(receiver.connect, ann.weight_store)
+            if ann.weight_store:
+                await asyncio.to_thread(receiver.join, ann.weight_store)
 
         def metrics() -> dict[str, float]:
             out: dict[str, float] = {}
@@ -325,7 +325,7 @@ class TrainerSide:
         log.info("dashboard: %s", self.dashboard_url)
         self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
         self.publisher = ControlPublisher(cfg.transport.control_addr, cfg.transport.secret)
-        self.sender = make_sender(cfg.weight_sync, disk_path=cfg.weight_sync.disk_path or str(self.run_dir.path / "weight_sync"))
+        self.sender = make_sender(cfg.weight_sync, default_disk_path=self.run_dir.path / "weight_sync")
         self.resume = resume
         self.placement_group = placement_group
         self.on_step = on_step

@@ -74,6 +74,9 @@ class WeightPublisher(Protocol):
 
     def wait(self, timeout: float | None = None) -> Any: ...
 
+    @property
+    def rendezvous(self) -> str | None: ...
+
 
 class TrainerController:
     def __init__(
@@ -355,7 +358,7 @@ class TrainerController:
                 dropped=self.buffer.dropped_sent,
                 sent_base=self.sent_base,
                 weights=weights,
-                weight_store=getattr(self.weights, "store_addr", None),
+                weight_store=self.weights.rendezvous,
                 data_position=data_position,
                 stop=self._stopping,
             )

@@ -62,7 +62,7 @@ def receiver_main(
     logging.basicConfig(level=logging.INFO, format=f"[{receiver_id}] %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     from areal_like.core import wire
-    from areal_like.core.config import WeightSyncConfig
+    from areal_like.core.config import DistWeightSyncConfig
     from areal_like.core.types import TensorMeta, WeightUpdateMeta
     from weight_sync import DistWeightReceiver, WeightSyncError
     from weight_sync import dist as dist_mod
@@ -72,7 +72,7 @@ def receiver_main(
         make_group = dist_mod._make_group
         dist_mod._make_group = lambda *a, **k: _DyingGroup(make_group(*a, **k), state)  # type: ignore[assignment]
 
-    cfg = WeightSyncConfig(type="dist", timeout_s=timeout_s, store_addr="127.0.0.1:0")
+    cfg = DistWeightSyncConfig(type="dist", timeout_s=timeout_s, store_addr="127.0.0.1:0")
     spec = None if expected is None else [TensorMeta.model_validate(m) for m in expected]
     receiver = DistWeightReceiver(cfg, receiver_id, expected=spec)
     if store_addr is not None:

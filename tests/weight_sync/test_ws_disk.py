@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_like.core.config import WeightSyncConfig
+from areal_like.core.config import DiskWeightSyncConfig
 from weight_sync import DiskWeightReceiver, DiskWeightSender, WeightSyncError, spec_of
 from weight_sync import disk as disk_mod
 
 
-def _cfg(tmp_path: Path, **kw: object) -> WeightSyncConfig:
-    return WeightSyncConfig(type="disk", disk_path=str(tmp_path / "ws"), timeout_s=0.5, **kw)
+def _cfg(tmp_path: Path, **kw: object) -> DiskWeightSyncConfig:
+    return DiskWeightSyncConfig(type="disk", disk_path=str(tmp_path / "ws"), timeout_s=0.5, **kw)
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

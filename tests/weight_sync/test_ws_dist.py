@@ -22,7 +22,7 @@ from _ws_workers import receiver_main, tensor_digest
 from safetensors.torch import load_file
 
 from areal_like.core import wire
-from areal_like.core.config import WeightSyncConfig
+from areal_like.core.config import DistWeightSyncConfig
 from areal_like.core.types import WeightUpdateMeta
 from weight_sync import DistWeightSender
 
@@ -98,7 +98,7 @@ def model(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_group_delivers_exactly_survives_a_dead_receiver_and_rebuilds(model: dict[str, torch.Tensor]) -> None:
-    cfg = WeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
+    cfg = DistWeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
     sender = DistWeightSender(cfg)
     receivers = _Receivers(sender.store_addr)
     try:
@@ -169,7 +169,7 @@ def test_group_delivers_exactly_survives_a_dead_receiver_and_rebuilds(model: dic
 def test_hung_receiver_times_out_and_a_local_refusal_stays_local(model: dict[str, torch.Tensor]) -> None:
     """B stalls mid-transfer: everyone times out, and the same two rebuild a group. Then
     B's engine expects another shape: B refuses, A activates, the group stays as it is."""
-    cfg = WeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
+    cfg = DistWeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
     sender = DistWeightSender(cfg)
     receivers = _Receivers(sender.store_addr)
     name = next(iter(model))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from areal_like.core.config import WeightSyncConfig
+from areal_like.core.config import DiskWeightSyncConfig, DistWeightSyncConfig
 from areal_like.core.types import WeightUpdateMeta
 from weight_sync import (
     DiskWeightReceiver,
@@ -33,14 +33,14 @@ TIMEOUT_S = 2.0
 @pytest.fixture
 def sender() -> Iterator[DistWeightSender]:
     s = DistWeightSender(
-        WeightSyncConfig(type="dist", bucket_mb=0.01, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
+        DistWeightSyncConfig(type="dist", bucket_mb=0.01, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
     )
     yield s
     s.close()
 
 
 def _receiver(rid: str) -> DistWeightReceiver:
-    return DistWeightReceiver(WeightSyncConfig(type="dist", timeout_s=TIMEOUT_S), rid)
+    return DistWeightReceiver(DistWeightSyncConfig(type="dist", timeout_s=TIMEOUT_S), rid)
 
 
 def _deliver(meta: WeightUpdateMeta, receivers: list[DistWeightReceiver]) -> dict[str, Any]:
@@ -115,7 +115,7 @@ def test_a_restarted_engine_with_the_same_id_gets_a_new_group(sender: DistWeight
 
 
 def test_meta_from_another_transport_or_address_is_refused(sender: DistWeightSender, tmp_path: Any) -> None:
-    disk_cfg = WeightSyncConfig(type="disk", disk_path=str(tmp_path))
+    disk_cfg = DiskWeightSyncConfig(type="disk", disk_path=str(tmp_path))
     disk_meta = DiskWeightSender(disk_cfg).send(1, _tensors(1).items())
     with pytest.raises(WeightSyncError, match="dist receiver got a 'disk' meta"):
         _receiver("x").receive(disk_meta)
@@ -128,10 +128,10 @@ def test_meta_from_another_transport_or_address_is_refused(sender: DistWeightSen
 
 
 def test_factory_and_addresses(tmp_path: Any) -> None:
-    disk_cfg = WeightSyncConfig(type="disk", disk_path=str(tmp_path))
+    disk_cfg = DiskWeightSyncConfig(type="disk", disk_path=str(tmp_path))
     assert isinstance(make_sender(disk_cfg), DiskWeightSender)
     assert isinstance(make_receiver(disk_cfg, "r"), DiskWeightReceiver)
-    assert isinstance(make_receiver(WeightSyncConfig(type="dist"), "r"), DistWeightReceiver)
+    assert isinstance(make_receiver(DistWeightSyncConfig(type="dist"), "r"), DistWeightReceiver)
     assert parse_address("tcp://10.0.0.2:29500") == ("10.0.0.2", 29500)
     assert parse_address("[::1]:80") == ("::1", 80)
     with pytest.raises(WeightSyncError, match="bad weight-group store address"):
