@@ -3,7 +3,7 @@
     from areal_like.api import GRPOTrainer
 
     def exact(sample, output) -> float:
-        return float(output.extra["final_text"].strip() == sample["answer"])
+        return float(output.final_text.strip() == sample["answer"])
 
     trainer = GRPOTrainer(
         model="areal_like/assets/quickstart_model",

@@ -41,7 +41,7 @@ class LongTailToolLoop(ToolAgentLoop):
         out = await super().run(sampling_params, **sample)
         if out is None:
             return None
-        episode_id = str(out.extra.get("episode_id") or self.episode_id(sample))
+        episode_id = str(out.episode_id or self.episode_id(sample))
         k = tail_length(episode_id)
         seq = out.prompt_ids + out.response_ids
         res = await self.server_manager.generate(

@@ -376,13 +376,11 @@ class ChatClient:
                 "fallback_retokenizations": float(self.num_fallbacks),
                 "num_interrupts": float(self.num_interrupts),
             },
-            extra={
-                "episode_id": self.episode_id,
-                "final_text": self.final_text,
-                "messages": self.messages,
-                "stop_reason": self.stop_reason,
-                "termination": termination,
-            },
+            episode_id=self.episode_id,
+            final_text=self.final_text,
+            messages=self.messages,
+            stop_reason=self.stop_reason,
+            termination=termination,
         )
 
 

@@ -445,7 +445,7 @@ def test_a_model_that_calls_tools_forever_is_stopped(tokenizer: Any) -> None:
         return out, server
 
     out, server = endless(AgentConfig(max_assistant_turns=5, max_user_turns=100, max_parallel_calls=2), 100_000)
-    assert out.extra["termination"] == "max_assistant_turns" and len(server.calls) == 5
+    assert out.termination == "max_assistant_turns" and len(server.calls) == 5
     assert out.metrics["tool_calls"] <= 4 * 2  # parallel calls capped per turn, no tool turn after the last
     out, server = endless(AgentConfig(max_assistant_turns=1000, max_user_turns=1000), 300)
     assert len(out.response_ids) <= 300 and len(server.calls) < 1000

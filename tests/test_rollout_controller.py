@@ -57,7 +57,7 @@ class FakeRollout:
         )
 
     async def score(self, row, out) -> float:
-        return 1.0 if out.extra["final_text"] == row["answer"] else 0.0
+        return 1.0 if out.final_text == row["answer"] else 0.0
 
     async def apply_weights(self, meta: WeightUpdateMeta) -> int:
         await asyncio.sleep(0.002)

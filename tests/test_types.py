@@ -77,3 +77,15 @@ def test_group_head_version_is_min_over_members() -> None:
     b = Trajectory(**_kw(episode_id="b", response_versions=[1, 3, -1, 3]))
     g = TrajectoryGroup(group_id="g", trajectories=[a, b], failed=1)
     assert g.head_version == 1 and g.size == 3
+
+
+def test_agent_loop_output_fields_are_typed_and_old_extra_dicts_still_work():
+    from areal_like.core.types import AgentLoopOutput
+
+    base = dict(prompt_ids=[1], response_ids=[2], response_mask=[1], response_logprobs=[-0.1], response_versions=[0])
+    out = AgentLoopOutput(**base, final_text="42", stop_reason="stop")
+    assert out.final_text == "42" and out.extra == {}
+    legacy = AgentLoopOutput(**base, extra={"final_text": "7", "termination": "stop", "mine": [1]})
+    assert legacy.final_text == "7" and legacy.termination == "stop" and legacy.extra == {"mine": [1]}
+    with pytest.raises(ValueError):
+        AgentLoopOutput(**base, stop_reason="exploded")

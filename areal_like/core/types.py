@@ -134,8 +134,31 @@ class AgentLoopOutput(_Strict):
     reward: float | None = None
     num_turns: int = 0
     metrics: dict[str, float] = Field(default_factory=dict)
-    extra: dict[str, Any] = Field(default_factory=dict)
+    """Per-episode numbers the loop wants on the dashboard (means per train step)."""
     truncated: bool = False
+    """The response budget cut the episode."""
+    final_text: str = ""
+    """Decoded text of the last assistant turn, tool calls removed (what rewards read)."""
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    """The chat so far, OpenAI-shaped."""
+    episode_id: str | None = None
+    stop_reason: StopReason | None = None
+    """Of the last generate call (`abort` means the engine gave up on the episode)."""
+    termination: str | None = None
+    """Why the loop ended (`stop`, `length`, `max_turns`, ...)."""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """The loop's own data; the pipeline never reads it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_known_extra(cls, data: Any) -> Any:
+        """Loops written against the old dict (`extra={"final_text": ...}`) keep working."""
+        if isinstance(data, dict) and isinstance(data.get("extra"), dict):
+            known = {"final_text", "messages", "episode_id", "stop_reason", "termination"}
+            lifted = {k: v for k, v in data["extra"].items() if k in known and k not in data}
+            if lifted:
+                data = {**data, **lifted, "extra": {k: v for k, v in data["extra"].items() if k not in lifted}}
+        return data
 
     @model_validator(mode="after")
     def _provenance(self) -> AgentLoopOutput:

@@ -129,8 +129,8 @@ def arithmetic_reward(sample: dict[str, Any], output: Any) -> float:
     """1.0 if the final assistant text is exactly the answer, else 0.0.
 
     `output` is an `AgentLoopOutput`; agent loops put the decoded text of the last
-    assistant turn in `output.extra["final_text"]`.
+    assistant turn in `output.final_text`.
     """
-    final = output.extra.get("final_text", "") if hasattr(output, "extra") else str(output)
+    final = output.final_text if hasattr(output, "final_text") else str(output)
     got = extract_answer(final)
     return 1.0 if got is not None and got == str(sample["answer"]).strip() else 0.0

@@ -11,11 +11,11 @@ registered with `@register(...)`, a class passed directly, or user code
 (`file.py:Name` / `pkg.mod:Name`); a user *function* there is taken to be an
 OpenAI-shaped agent and wrapped by `rollout_cluster.openai_client`.
 
-What every loop puts in `AgentLoopOutput.extra` (the reward and the controller read it):
-`final_text` (decoded text of the last assistant turn, tool calls removed),
-`messages` (the chat so far), `episode_id`, `stop_reason` (of the last generate
-call), `termination` (why the loop ended). `truncated` is True when the response
-budget cut the episode.
+What every loop fills in `AgentLoopOutput` besides the tokens (the reward and the
+controller read them): `final_text` (decoded text of the last assistant turn, tool calls
+removed), `messages` (the chat so far), `episode_id`, `stop_reason` (of the last
+generate call), `termination` (why the loop ended), `truncated` (the response budget cut
+the episode). `extra` is the loop's own, never read by the pipeline.
 """
 
 from __future__ import annotations

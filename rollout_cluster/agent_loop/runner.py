@@ -107,8 +107,9 @@ class AgentRunner:
         output = await loop.run(sampling_params, **{**sample, "episode_id": episode_id})
         if output is None:
             return None
-        output.extra.setdefault("episode_id", episode_id)
-        if output.extra.get("stop_reason") == "abort":
+        if output.episode_id is None:
+            output.episode_id = episode_id
+        if output.stop_reason == "abort":
             raise EpisodeAbortedError(episode_id, output)
         return output
 

@@ -39,11 +39,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
             num_turns=1,
             truncated=truncated,
             metrics={"num_interrupts": float(result.num_interrupts)},
-            extra={
-                "episode_id": episode_id,
-                "final_text": text,
-                "messages": [*messages, {"role": "assistant", "content": text}],
-                "stop_reason": result.stop_reason,
-                "termination": "length" if truncated else result.stop_reason,
-            },
+            episode_id=episode_id,
+            final_text=text,
+            messages=[*messages, {"role": "assistant", "content": text}],
+            stop_reason=result.stop_reason,
+            termination="length" if truncated else result.stop_reason,
         )

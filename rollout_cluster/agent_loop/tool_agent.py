@@ -248,12 +248,12 @@ class ToolAgentLoop(AgentLoopBase):
             num_turns=ep.assistant_turns + ep.user_turns,
             truncated=ep.truncated,
             metrics=metrics,
+            episode_id=ep.episode_id,
+            final_text=ep.final_text,
+            messages=ep.messages,
+            stop_reason=ep.stop_reason,
+            termination=ep.termination,
             extra={
-                "episode_id": ep.episode_id,
-                "final_text": ep.final_text,
-                "messages": ep.messages,
-                "stop_reason": ep.stop_reason,
-                "termination": ep.termination,
                 "tool_rewards": ep.tool_rewards,
             },
         )

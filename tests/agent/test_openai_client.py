@@ -75,8 +75,8 @@ def test_openai_agent_records_the_same_trajectory_as_the_tool_loop(tokenizer: An
         assert out.response_logprobs == expected.response_logprobs
         assert out.response_versions == expected.response_versions
         assert out.metrics["fallback_retokenizations"] == 0
-        assert out.extra["final_text"] == "5535" and out.num_turns == 3
-        full = template_ids(tokenizer, out.extra["messages"], tools=TOOLS, add_generation_prompt=False)
+        assert out.final_text == "5535" and out.num_turns == 3
+        full = template_ids(tokenizer, out.messages, tools=TOOLS, add_generation_prompt=False)
         assert out.prompt_ids + out.response_ids == full
 
 
@@ -141,7 +141,7 @@ def test_edited_history_falls_back_and_is_counted(tokenizer: Any) -> None:
 def test_budget_ends_the_episode_without_trailing_observation(tokenizer: Any) -> None:
     t1 = len(tokenizer.encode(call_text("123*45"), add_special_tokens=False)) + 1
     out = run_loop(tokenizer, calculator_agent, response_length=t1 + 5)
-    assert out is not None and out.truncated and out.extra["termination"] == "response_length"
+    assert out is not None and out.truncated and out.termination == "response_length"
     assert out.response_mask == [1] * t1
 
 
@@ -177,4 +177,4 @@ def test_agent_function_from_user_code_runs_through_the_runner(tokenizer: Any, t
         return out, await runner.score(sample, out)
 
     out, reward = asyncio.run(main())
-    assert reward == 1.0 and out.extra["final_text"] == "5535"
+    assert reward == 1.0 and out.final_text == "5535"

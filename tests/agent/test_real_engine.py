@@ -79,7 +79,7 @@ def test_tool_loop_on_the_real_engine(tiny_model_dir: Any, tokenizer: Any) -> No
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for out in outs:
-        assert out.extra["messages"][2] == {"role": "tool", "content": "36", "name": "calculator"}
+        assert out.messages[2] == {"role": "tool", "content": "36", "name": "calculator"}
         assert len(out.response_ids) <= 48 and out.response_mask[-1] == 1
         n_first = len(tokenizer.encode(call_text("12*3"), add_special_tokens=False)) + 1
         engine_part = [

@@ -81,7 +81,7 @@ def test_async_reward_timeout() -> None:
 
 def test_user_code_reward_by_file(tmp_path: Path) -> None:
     (tmp_path / "my_reward.py").write_text(
-        "def length(sample, output):\n    return len(output.extra['final_text'])\n"
+        "def length(sample, output):\n    return len(output.final_text)\n"
     )
     fn = load_reward("my_reward.py:length", base_dir=tmp_path)
     assert score(fn) == (2.0, {})

@@ -99,7 +99,7 @@ def test_server_failure_mid_episode_completes_on_another_server(tokenizer: Any) 
 
     a.generate = dies_on_second_turn  # type: ignore[method-assign]
     out = asyncio.run(loop.run(SamplingParams(), episode_id="ep", prompt="2+2"))
-    assert out is not None and out.extra["final_text"] == "16"
+    assert out is not None and out.final_text == "16"
     assert [c[0] for c in a.calls] == ["ep/0"] and [c[0] for c in b.calls] == ["ep/1", "ep/2"]
     assert failed == ["a"] and manager.server_names == ["b"]
     assert manager.metrics()["server_failures"] == 1 and manager.metrics()["generate_retries"] == 1

@@ -66,10 +66,10 @@ def test_two_turn_episode_has_exact_ids_mask_logprobs_versions(tokenizer: Any) -
     assert out.response_mask == [1] * len(t1) + [0] * len(obs) + [1] * len(t2)
     assert out.response_logprobs == turn_logprobs(0, len(t1)) + [0.0] * len(obs) + turn_logprobs(1, len(t2))
     assert out.response_versions == [3] * len(t1) + [-1] * len(obs) + [3] * len(t2)
-    assert out.extra["final_text"] == "5535"
-    assert out.extra["termination"] == "no_tool_call" and not out.truncated
+    assert out.final_text == "5535"
+    assert out.termination == "no_tool_call" and not out.truncated
     assert out.num_turns == 3
-    assert [m["role"] for m in out.extra["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in out.messages] == ["user", "assistant", "tool", "assistant"]
     # Each turn continues the exact sequence so far, with one sticky session per episode.
     assert [c[0] for c in server.calls] == ["ep/0", "ep/1"]
     assert server.calls[1][1] == prompt + t1 + obs
@@ -86,7 +86,7 @@ def test_assembled_ids_equal_template_of_full_conversation(tokenizer: Any) -> No
     out = run(loop)
     full = template_ids(
         tokenizer,
-        out.extra["messages"],
+        out.messages,
         tools=[CalculatorTool("calculator").schema],
         add_generation_prompt=False,
     )
@@ -116,16 +116,16 @@ def test_prefix_of_a_template_with_default_system_prompt_is_stripped(tokenizer: 
 def test_max_assistant_turns_ends_without_a_tool_turn(tokenizer: Any) -> None:
     loop, server = make_loop(tokenizer, [call_text("1+1"), call_text("2+2"), "4"], max_assistant_turns=2)
     out = run(loop)
-    assert out.extra["termination"] == "max_assistant_turns"
+    assert out.termination == "max_assistant_turns"
     assert len(server.calls) == 2
     assert out.response_mask[-1] == 1  # the last turn is never a tool turn
-    assert out.extra["final_text"] == ""
+    assert out.final_text == ""
 
 
 def test_max_user_turns(tokenizer: Any) -> None:
     loop, server = make_loop(tokenizer, [call_text("1+1"), call_text("2+2"), "4"], max_user_turns=1)
     out = run(loop)
-    assert out.extra["termination"] == "max_user_turns"
+    assert out.termination == "max_user_turns"
     assert len(server.calls) == 2 and out.metrics["user_turns"] == 1
     assert out.response_mask[-1] == 1
 
@@ -136,23 +136,23 @@ def test_response_budget_counts_tool_tokens_and_never_ends_on_a_tool_turn(tokeni
     # Room for the first turn and the observation, but not one more generated token.
     loop, server = make_loop(tokenizer, [call_text("123*45"), "5535"], response_length=len(t1) + len(obs))
     out = run(loop)
-    assert out.extra["termination"] == "response_length" and out.truncated
+    assert out.termination == "response_length" and out.truncated
     assert out.response_ids == t1 and len(server.calls) == 1
     # One token more: the observation fits and the second turn gets exactly one token.
     loop, server = make_loop(tokenizer, [call_text("123*45"), "5535"], response_length=len(t1) + len(obs) + 1)
     out = run(loop)
     assert len(out.response_ids) == len(t1) + len(obs) + 1 and out.truncated
     assert server.calls[1][2].max_tokens == 1
-    assert out.extra["stop_reason"] == "length"
+    assert out.stop_reason == "length"
 
 
 def test_length_and_abort_stop_reasons_terminate(tokenizer: Any) -> None:
     loop, _ = make_loop(tokenizer, [(call_text("1+1")[:20], "length"), "never"])
     out = run(loop)
-    assert out.extra["termination"] == "response_length" and out.truncated
+    assert out.termination == "response_length" and out.truncated
     loop, server = make_loop(tokenizer, [("<tool_call>", "abort"), "never"])
     out = run(loop)
-    assert out.extra["termination"] == "abort" and out.extra["stop_reason"] == "abort"
+    assert out.termination == "abort" and out.stop_reason == "abort"
     assert len(server.calls) == 1
 
 
@@ -185,7 +185,7 @@ def test_long_tool_answer_truncated_in_episode(tokenizer: Any) -> None:
         tool_response_truncate_side="left",
     )
     out = run(loop)
-    assert out.extra["messages"][2]["content"] == "...456789"
+    assert out.messages[2]["content"] == "...456789"
 
 
 @pytest.mark.parametrize(
@@ -205,10 +205,10 @@ def test_long_tool_answer_truncated_in_episode(tokenizer: Any) -> None:
 def test_malformed_calls_are_answered_not_fatal(tokenizer: Any, call: str, error: str) -> None:
     loop, _ = make_loop(tokenizer, [call, "0"], max_tool_response_length=500)
     out = run(loop, max_tokens=100)
-    tool_message = out.extra["messages"][2]
+    tool_message = out.messages[2]
     assert tool_message["role"] == "tool" and tool_message["content"].startswith("Error")
     assert error in tool_message["content"]
-    assert out.extra["termination"] == "no_tool_call" and out.metrics["tool_calls"] == 1
+    assert out.termination == "no_tool_call" and out.metrics["tool_calls"] == 1
 
 
 def test_tool_timeout_becomes_error_message(tokenizer: Any) -> None:
@@ -225,7 +225,7 @@ def test_tool_timeout_becomes_error_message(tokenizer: Any) -> None:
         max_tool_response_length=500,
     )
     out = run(loop)
-    assert out.extra["messages"][2]["content"] == "Error: slow timed out after 0.05s"
+    assert out.messages[2]["content"] == "Error: slow timed out after 0.05s"
     assert out.metrics["tool_timeout"] == 1
 
 
@@ -258,7 +258,7 @@ def test_parallel_calls_run_concurrently_and_are_capped(tokenizer: Any) -> None:
     turn = "".join(call_text(e) for e in ["a", "b", "c"])
     loop, server = make_loop(tokenizer, [turn, "done"], tools=[gate], max_parallel_calls=2)
     out = run(loop)
-    tool_msgs = [m for m in out.extra["messages"] if m["role"] == "tool"]
+    tool_msgs = [m for m in out.messages if m["role"] == "tool"]
     assert [m["content"] for m in tool_msgs] == ["a", "b"]
     assert gate.peak == 2
     assert out.metrics["dropped_calls"] == 1 and out.extra["tool_rewards"] == [0.5, 0.5]
@@ -270,7 +270,7 @@ def test_tool_response_in_yaml_config_tools(tokenizer: Any) -> None:
     """The default config offers the calculator; its answer is the integer as text."""
     loop, _ = make_loop(tokenizer, [call_text("007+1"), "8"], tools=None)
     out = run(loop)
-    assert out.extra["messages"][2]["content"] == "8"
+    assert out.messages[2]["content"] == "8"
     assert ToolSpec(name="calculator").cls == "calculator"
 
 
