@@ -1,5 +1,5 @@
 """Soak benchmark: a long quickstart run, with the memory, open files and sockets of
-every process of the run sampled over time. A manual benchmark, not CI (DESIGN §9.19).
+every process of the run sampled over time. A manual benchmark, not CI (docs/design.md §9.19).
 
 Launches `areal-like run CONFIG` in its own session with enough train steps to last
 `--minutes`, samples every process of that session (and every descendant of the run,

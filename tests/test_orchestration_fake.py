@@ -28,7 +28,7 @@ class FakeTrainer:
         self.nan_at = nan_at
         self.seen: list[str] = []
 
-    def train_step(self, trajectories):
+    def train_on(self, trajectories):
         self.seen += [t.episode_id for t in trajectories]
         if self.version == self.nan_at:
             self.nan_at = -1

@@ -152,7 +152,7 @@ def test_evaluations_reported_per_version() -> None:
     versions = [e.loaded_version for e in evals]
     assert 0 in versions and 4 in versions
     assert 12 in versions  # the last version's evaluation finishes before the rollout side stops
-    assert all(0.0 <= e.metrics["accuracy"] <= 1.0 and e.metrics["num_samples"] == 6 for e in evals)
+    assert all(0.0 <= e.eval.accuracy <= 1.0 and e.eval.num_samples == 6 for e in evals)
 
 
 @pytest.mark.parametrize(("every", "expected"), [(0, [12]), (5, [0, 5, 10, 12])])

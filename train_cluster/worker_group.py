@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from areal_like.core.config import TorchBackendConfig, TrainConfig
-from train_cluster.batch import TrainBatch, balanced_partition
+from areal_like.core.types import Trajectory
+from train_cluster.batch import TrainBatch, balanced_partition, build_batch
 
 __all__ = ["TrainWorkerGroup", "TrainWorkerDied"]
 
@@ -128,6 +129,7 @@ class TrainWorkerGroup:
         if not ray.is_initialized():
             raise RuntimeError("TrainWorkerGroup needs Ray: call ray.init() first")
         self.world_size = backend.world_size
+        self.loss_cfg = train_cfg.loss
         threads = str(backend.threads)
         options: dict[str, Any] = {
             "num_cpus": backend.threads,
@@ -164,6 +166,11 @@ class TrainWorkerGroup:
                                     for w, idx in zip(self.workers, shards, strict=True)], "train_step")
         self._version = int(stats[0]["version"])
         return stats[0]
+
+    def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One train step on a batch of trajectories: group-normalised advantages, packing
+        and the decoupled PPO update all happen here, in the train cluster."""
+        return self.train_step(build_batch(trajectories, self.loss_cfg))
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         shards = self._shards(batch)

@@ -26,6 +26,10 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "RolloutStats",
+    "GateSnapshot",
+    "EpisodeOutcomes",
+    "RolloutCounters",
+    "EvalResult",
     "VersionAnnouncement",
     "WeightUpdateMeta",
     "TensorMeta",
@@ -240,11 +244,60 @@ class TrajectoryGroup(_Strict):
         return min(heads) if heads else -1
 
 
+class GateSnapshot(_Strict):
+    """The staleness gate as the rollout side last saw it (samples; docs/design.md §9.3)."""
+
+    version: int = 0
+    running: int = 0
+    sent: int = 0
+    dropped: int = 0
+    consumed: int = 0
+    sent_base: int = 0
+    rejected_at_gate: int = 0
+    capacity: int = 0
+    """(η + v + 1) · B."""
+
+
+class EpisodeOutcomes(_Strict):
+    """How the rollout side's finished episodes ended (cumulative, samples)."""
+
+    sent: int = 0
+    rejected: int = 0
+    failed: int = 0
+
+
+class RolloutCounters(_Strict):
+    """Engine and routing numbers of one rollout process (cumulative counters and gauges)."""
+
+    generated_tokens: float = 0.0
+    interrupts: float = 0.0
+    interrupted_tokens: float = 0.0
+    recompute_tokens: float = 0.0
+    pause_resume_latency_s_max: float = 0.0
+    queue_depth: float = 0.0
+    requests_running: float = 0.0
+    kv_usage: float = 0.0
+    gen_tokens_per_s: float = 0.0
+    rollout_idle_ratio: float = 0.0
+    servers: float = 0.0
+    server_failures: float = 0.0
+    generate_retries: float = 0.0
+
+
+class EvalResult(_Strict):
+    """Sampled accuracy on the held-out rows with the weights of one version."""
+
+    accuracy: float
+    reward_mean: float
+    seconds: float
+    num_samples: int
+
+
 class RolloutStats(_Strict):
     """Rollout-side numbers sent to the trainer over the data channel (docs/design.md §9.6).
 
-    `kind`: `stats` (periodic), `eval` (a held-out evaluation at `loaded_version`,
-    accuracy in `metrics`), `final` (the rollout side stopped; `cancelled` is final).
+    `kind`: `stats` (periodic), `eval` (a held-out evaluation at `loaded_version`, in
+    `eval`), `final` (the rollout side stopped; `cancelled` is final).
     """
 
     kind: Literal["stats", "eval", "final"] = "stats"
@@ -253,7 +306,21 @@ class RolloutStats(_Strict):
     started: int
     running: int
     cancelled: int = 0
-    metrics: dict[str, float] = Field(default_factory=dict)
+    gate: GateSnapshot = Field(default_factory=GateSnapshot)
+    outcomes: EpisodeOutcomes = Field(default_factory=EpisodeOutcomes)
+    data_position: dict[str, int] = Field(default_factory=dict)
+    """Where the prompt stream stands (what a checkpoint stores for `--resume`)."""
+    counters: RolloutCounters = Field(default_factory=RolloutCounters)
+    eval: EvalResult | None = None
+
+    def flat(self) -> dict[str, float]:
+        """One flat record for metrics.jsonl and the dashboard (`gate_*`, `outcome_*`,
+        `data_*` and the counters by name)."""
+        out: dict[str, float] = {f"gate_{k}": float(v) for k, v in self.gate.model_dump().items()}
+        out.update({f"outcome_{k}": float(v) for k, v in self.outcomes.model_dump().items()})
+        out.update({f"data_{k}": float(v) for k, v in self.data_position.items()})
+        out.update(self.counters.model_dump())
+        return out
 
 
 class VersionAnnouncement(_Strict):

@@ -95,7 +95,7 @@ def rollout(
     resume: bool = typer.Option(False, help="Accepted for symmetry: the trainer tells the rollout side where to resume."),
 ) -> None:
     """Run the rollout cluster only; it connects to the trainer's data/control addresses."""
-    from areal_like.orchestration.launch import RolloutSide
+    from areal_like.orchestration.rollout_side import RolloutSide
 
     cfg = _load(config, set_)
     try:
@@ -117,9 +117,10 @@ def train(
 
     import ray
 
-    from areal_like.orchestration.launch import TrainerSide, init_ray, ray_env
+    from areal_like.orchestration.launch import init_ray, ray_env
     from areal_like.orchestration.run_dir import RunDirError
     from areal_like.orchestration.trainer_controller import RunAborted
+    from areal_like.orchestration.trainer_side import TrainerSide
 
     cfg = _load(config, set_)
     for k, v in ray_env().items():

@@ -1,33 +1,29 @@
-"""Wiring: build each cluster from the config and run it (orchestration layer).
+"""Starting the clusters: checks before anything starts, Ray, pools, and `run_both`.
 
-- `RolloutSide`: one process of the rollout cluster: `rollout.num_servers` rollout
-  servers (each an engine on its own thread), the server manager, the agent
-  runner, the weight receiver, the staleness gate and the `RolloutController`,
-  connected to the trainer by the ZMQ data/control channels.
-- `TrainerSide`: the run folder, the train workers (Ray actors in the train pool),
-  the weight sender, the channels' listening ends and the `TrainerController`.
-- `run_both`: one machine: an embedded Ray with one placement group per pool; the
-  rollout side runs in an actor of the rollout pool, the train workers in the train
-  pool, the trainer controller in the driver.
+- `rollout_side.RolloutSide`: the rollout cluster's process (servers, agent runner,
+  data, gate, controller);
+- `trainer_side.TrainerSide`: the train cluster's driver (run folder, workers, weight
+  sender, channels, trainer controller);
+- `run_both` (here): one machine: an embedded Ray with one placement group per pool;
+  the rollout side runs in an actor of the rollout pool, the train workers in the
+  train pool, the trainer controller in the driver.
 
 `areal-like rollout` / `areal-like train` run one side each and meet at
-`transport.data_addr`, `transport.control_addr` (docs/design.md §9.6); the weights travel
-on the dist group whose store address the metadata carries, or on disk.
+`transport.data_addr`, `transport.control_addr` (docs/design.md §9.6); the weights
+travel on the dist group whose store address the announcements carry, or on disk.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import ConfigError, ExperimentConfig
 
-__all__ = ["resolve_model_path", "RolloutSide", "TrainerSide", "run_both", "check_resources", "ray_env"]
+__all__ = ["resolve_model_path", "run_both", "check_resources", "ray_env", "init_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -110,273 +106,11 @@ def _need_gpus(n: int, what: str) -> None:
         raise ConfigError(f"{what} needs {n} GPU(s); this machine has {have}")
 
 
-# ----------------------------------------------------------------------------------------
-# rollout cluster
-# ----------------------------------------------------------------------------------------
-class RolloutSide:
-    """Everything the rollout cluster runs, in one process (or one Ray actor)."""
-
-    def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
-                 user: dict[str, Any] | None = None) -> None:
-        self.cfg = cfg
-        self.user = user or {}
-        """Objects given through the Python API instead of the config: `rows`, `eval_rows`,
-        `reward_fn`, `tools`, `loops` (docs/design.md §9.10)."""
-        self.data_addr = data_addr or cfg.transport.data_addr
-        self.control_addr = control_addr or cfg.transport.control_addr
-        for name, addr in (("data_addr", self.data_addr), ("control_addr", self.control_addr)):
-            if addr.endswith(":0"):
-                raise ConfigError(
-                    f"transport.{name}={addr}: the rollout side connects, so it needs the trainer's real port "
-                    "(port 0 only works when `areal-like run` starts both sides)"
-                )
-
-    def run(self) -> dict[str, Any]:
-        return asyncio.run(self.main())
-
-    async def main(self) -> dict[str, Any]:
-        import torch
-
-        from areal_like.core.staleness import StalenessGate
-        from areal_like.core.types import SamplingParams, WeightUpdateMeta
-        from areal_like.models.tiny_model import load_tokenizer
-        from areal_like.orchestration.bridge import drive_rollout, make_sender
-        from areal_like.orchestration.channels import ControlSubscriber, DataPusher
-        from areal_like.orchestration.dataset import PromptSource, load_rows
-        from areal_like.orchestration.rollout_controller import RolloutController
-        from rollout_cluster.agent_loop.runner import AgentRunner
-        from rollout_cluster.server import RolloutServer
-        from rollout_cluster.server_manager import ServerManager
-        from weight_sync import make_receiver
-
-        cfg = self.cfg
-        logging.getLogger().setLevel(cfg.run.log_level)
-        torch.set_num_threads(cfg.rollout.server_threads)
-        model_path = resolve_model_path(cfg)
-        tokenizer = load_tokenizer(model_path)
-        servers = [
-            RolloutServer(
-                model_path, tokenizer, engine_config=cfg.rollout.engine, interrupt_mode=cfg.rollout.interrupt_mode,
-                seed=cfg.run.seed + 17 * i, set_threads=False,
-            )
-            for i in range(cfg.rollout.num_servers)
-        ]
-        manager = ServerManager(servers, max_sticky_sessions=cfg.rollout.max_sticky_sessions)
-        overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}
-        runner = AgentRunner.from_config(cfg, server_manager=manager, tokenizer=tokenizer, **overrides)
-
-        tools = [t.schema for t in runner.tools] if runner.tools else None
-
-        def prompt_len(row: dict[str, Any]) -> int:
-            use_tools = tools if (row.get("agent_name") or cfg.agent.default_loop) == "tool_agent" else None
-            out = tokenizer.apply_chat_template(row["prompt"], tools=use_tools, add_generation_prompt=True, tokenize=True)
-            return len(out["input_ids"] if not isinstance(out, list) else out)
-
-        rows = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed)
-        source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len)
-        if source.filtered_too_long:
-            log.warning("%d prompts longer than rollout.max_prompt_len=%d were filtered at load",
-                        source.filtered_too_long, cfg.rollout.max_prompt_len)
-        eval_rows = (self.user.get("eval_rows") or load_rows(cfg.dataset, "eval", cfg.run.seed))[: cfg.eval.num_samples]
-        receiver = make_receiver(
-            cfg.weight_sync, f"rollout-{socket.gethostname()}-{os.getpid()}",
-            default_disk_path=Path(cfg.run.dir) / "weight_sync",
-        )
-        pusher = DataPusher(self.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
-        subscriber = ControlSubscriber(self.control_addr, cfg.transport.secret)
-        rates = _Rates()
-
-        async def apply_weights(meta: WeightUpdateMeta) -> int:
-            version, tensors = await asyncio.to_thread(receiver.receive, meta)
-            named = list(tensors)  # views into the receive buffer: every server copies them in
-            for s in servers:
-                await s.update_weights(named, version)
-            return version
-
-        async def join_weights(ann: Any) -> None:
-            if ann.weight_store:
-                await asyncio.to_thread(receiver.join, ann.weight_store)
-
-        def metrics() -> dict[str, float]:
-            out: dict[str, float] = {}
-            per = [s.metrics() for s in servers]
-            for key in ("generated_tokens", "interrupts", "interrupted_tokens", "recompute_tokens",
-                        "pause_resume_latency_s_max", "queue_depth", "running", "kv_usage"):
-                vals = [m[key] for m in per if key in m]
-                if vals:
-                    out[key] = max(vals) if key.endswith("_max") else float(sum(vals))
-            out.update({f"manager_{k}": v for k, v in manager.metrics().items()})
-            out["gen_tokens_per_s"] = rates.rate("gen", out.get("generated_tokens", 0.0))
-            busy = [m.get("running", 0.0) > 0 or m.get("queue_depth", 0.0) > 0 for m in per]
-            out["rollout_idle_ratio"] = rates.idle(not any(busy))
-            return out
-
-        gate = StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent)
-        sampling = SamplingParams(
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-            max_tokens=cfg.rollout.response_length,
-        )
-        if sampling.approximate_logprobs:
-            log.warning("rollout.top_p/top_k truncate sampling: importance weights are approximate")
-        controller = RolloutController(
-            gate=gate,
-            source=source,
-            group_size=cfg.rollout.group_size,
-            sampling=sampling,
-            run_episode=runner.run_episode,
-            score=runner.score,
-            send=make_sender(pusher),
-            apply_weights=apply_weights,
-            join_weights=join_weights,
-            metrics=metrics,
-            eval_rows=eval_rows,
-            eval_every=cfg.eval.every_n_steps,
-            eval_sampling=sampling.model_copy(update={"temperature": cfg.eval.temperature}),
-            loaded_version=0,
-            seed=cfg.run.seed,
-        )
-        try:
-            await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s)
-        finally:
-            for s in servers:
-                await s.close()
-            receiver.close()
-            pusher.close()
-            subscriber.close()
-        return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes}
-
-
-class _Rates:
-    """Token rates and idle ratios from cumulative counters, sampled by the stats loop."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[float, float]] = {}
-        self._idle_t = 0.0
-        self._all_t = 0.0
-        self._t = time.time()
-
-    def rate(self, key: str, value: float) -> float:
-        now = time.time()
-        t0, v0 = self._last.get(key, (now, value))
-        self._last[key] = (now, value)
-        return (value - v0) / (now - t0) if now > t0 else 0.0
-
-    def idle(self, idle_now: bool) -> float:
-        now = time.time()
-        dt, self._t = now - self._t, now
-        self._all_t += dt
-        self._idle_t += dt if idle_now else 0.0
-        return self._idle_t / self._all_t if self._all_t > 0 else 0.0
-
-
-# ----------------------------------------------------------------------------------------
-# train cluster
-# ----------------------------------------------------------------------------------------
-class _GroupTrainer:
-    """The worker group seen as the trainer controller's `TrainerHandle`."""
-
-    def __init__(self, group: Any, cfg: ExperimentConfig) -> None:
-        self.group = group
-        self.loss_cfg = cfg.train.loss
-
-    @property
-    def version(self) -> int:
-        return self.group.version
-
-    def train_step(self, trajectories: list[Any]) -> dict[str, float]:
-        from train_cluster.batch import build_batch
-
-        return self.group.train_step(build_batch(trajectories, self.loss_cfg))
-
-    def named_weights(self) -> Any:
-        return self.group.named_weights()
-
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        self.group.save(path, extra)
-
-    def load(self, path: str | Path) -> dict[str, Any]:
-        return self.group.load(path)
-
-
-class TrainerSide:
-    """The train cluster's driver: run folder, workers, sender, channels, controller."""
-
-    def __init__(self, cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False,
-                 placement_group: Any = None, on_step: Any = None, check_peers: Any = None) -> None:
-        from areal_like.core.metrics import MetricsLog, MetricsRegistry
-        from areal_like.orchestration.channels import ControlPublisher, DataPuller
-        from areal_like.orchestration.run_dir import RunDir
-        from weight_sync import make_sender
-
-        self.cfg = cfg
-        self.model_path = resolve_model_path(cfg)
-        self.run_dir = RunDir(cfg.run.dir)
-        self.run_dir.prepare(cfg, resume=resume, overwrite=overwrite)
-        self.registry = MetricsRegistry()
-        tb = self.run_dir.path / "tensorboard" if cfg.metrics.tensorboard else None
-        self.mlog = MetricsLog(self.run_dir.metrics, tb, cfg.metrics.wandb_project)
-        from areal_like.orchestration.dashboard import Dashboard
-
-        # refuses a non-loopback bind without a token before anything else starts
-        self.dashboard = Dashboard(self.mlog, self.registry, host=cfg.metrics.dashboard_host,
-                                   port=cfg.metrics.dashboard_port, token=cfg.metrics.dashboard_token,
-                                   run_name=Path(cfg.run.dir).name)
-        self.dashboard_url = self.dashboard.start()
-        log.info("dashboard: %s", self.dashboard_url)
-        self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
-        self.publisher = ControlPublisher(cfg.transport.control_addr, cfg.transport.secret)
-        self.sender = make_sender(cfg.weight_sync, default_disk_path=self.run_dir.path / "weight_sync")
-        self.resume = resume
-        self.placement_group = placement_group
-        self.on_step = on_step
-        self.check_peers = check_peers
-        self.group: Any = None
-        self.controller: Any = None
-
-    @property
-    def addresses(self) -> tuple[str, str]:
-        return self.puller.addr, self.publisher.addr
-
-    def run(self) -> dict[str, int]:
-        from areal_like.orchestration.trainer_controller import TrainerController
-        from train_cluster.worker_group import TrainWorkerGroup
-
-        cfg = self.cfg
-        if cfg.train.backend.type != "torch":
-            raise ConfigError("train.backend.type=megatron runs only through the GPU launcher (not on this machine)")
-        self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                      placement_group=self.placement_group, log_level=cfg.run.log_level)
-        trainer = _GroupTrainer(self.group, cfg)
-        self.controller = TrainerController(
-            cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
-            run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
-            on_step=self.on_step, check_peers=self.check_peers,
-        )
-        if self.resume:
-            self.controller.resume()
-        summary = self.controller.run()
-        self.export_final(trainer)
-        return summary
-
-    def export_final(self, trainer: Any) -> None:
-        from areal_like.orchestration.run_dir import save_hf_folder
-
-        save_hf_folder(self.run_dir.final, dict(trainer.named_weights()), self.model_path)
-        log.info("final model exported to %s", self.run_dir.final)
-
-    def close(self) -> None:
-        self.dashboard.stop()
-        self.sender.close()
-        self.puller.close()
-        self.publisher.close()
-        self.mlog.close()
-        if self.group is not None:
-            self.group.shutdown()
-
-
 def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: str,
                         user: dict[str, Any] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=cfg_json["run"]["log_level"], format="%(asctime)s rollout %(name)s: %(message)s")
+    from areal_like.orchestration.rollout_side import RolloutSide
+
     cfg = ExperimentConfig.model_validate(cfg_json)
     return RolloutSide(cfg, data_addr, control_addr, user=user).run()
 
@@ -428,6 +162,8 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     pg_roll = placement_group([{"CPU": rp.num_cpus, **({"GPU": rp.num_gpus} if rp.num_gpus else {})}])
     pg_train = placement_group([{"CPU": tp.num_cpus, **({"GPU": tp.num_gpus} if tp.num_gpus else {})}])
     ray.get([pg_roll.ready(), pg_train.ready()], timeout=120)
+    from areal_like.orchestration.trainer_side import TrainerSide
+
     trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step)
     data_addr, control_addr = trainer.addresses
     rollout = ray.remote(_rollout_actor_main).options(

@@ -20,13 +20,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import (
     AgentLoopOutput,
+    EpisodeOutcomes,
+    EvalResult,
+    GateSnapshot,
+    RolloutCounters,
     RolloutStats,
     SamplingParams,
     Trajectory,
@@ -57,7 +61,7 @@ class RolloutController:
         send: Callable[[BaseModel], Awaitable[None]],
         apply_weights: Callable[[WeightUpdateMeta], Awaitable[int]],
         join_weights: Callable[[VersionAnnouncement], Awaitable[None]] | None = None,
-        metrics: Callable[[], dict[str, float]] = dict,
+        counters: Callable[[], RolloutCounters] = RolloutCounters,
         eval_rows: list[dict[str, Any]] | None = None,
         eval_every: int = 0,
         eval_sampling: SamplingParams | None = None,
@@ -75,7 +79,7 @@ class RolloutController:
         self.send = send
         self.apply_weights = apply_weights
         self.join_weights = join_weights
-        self.metrics = metrics
+        self.counters = counters
         self.eval_rows = eval_rows or []
         self.eval_every = eval_every
         self.eval_sampling = eval_sampling or sampling
@@ -216,21 +220,18 @@ class RolloutController:
         self._wake.set()
 
     # ---- reporting ------------------------------------------------------------------------
-    def _stats(self, kind: str = "stats") -> RolloutStats:
-        running = self.gate.s.running
-        m = {f"gate_{k}": float(v) for k, v in self.gate.state_dict().items()}
-        m.update({f"outcome_{k}": float(v) for k, v in self.outcomes.items()})
-        m["gate_capacity"] = float(self.gate.capacity)
-        m.update({f"data_{k}": float(v) for k, v in self.data_position().items()})
-        m.update(self.metrics())
+    def _stats(self, kind: Literal["stats", "final"] = "stats") -> RolloutStats:
         return RolloutStats(
             kind=kind,
             time=time.time(),
             loaded_version=self.loaded_version,
             started=self.started,
-            running=running,
+            running=self.gate.s.running,
             cancelled=self.cancelled,
-            metrics=m,
+            gate=GateSnapshot(**self.gate.state_dict(), capacity=self.gate.capacity),
+            outcomes=EpisodeOutcomes(**self.outcomes),
+            data_position=self.data_position(),
+            counters=self.counters(),
         )
 
     async def _stats_loop(self) -> None:
@@ -264,8 +265,8 @@ class RolloutController:
             loaded_version=version,
             started=self.started,
             running=self.gate.s.running,
-            metrics={"accuracy": acc, "reward_mean": sum(scores) / max(len(scores), 1), "seconds": time.time() - t0,
-                     "num_samples": float(len(scores))},
+            eval=EvalResult(accuracy=acc, reward_mean=sum(scores) / max(len(scores), 1), seconds=time.time() - t0,
+                            num_samples=len(scores)),
         )
         await self.send(stats)
 

@@ -5,14 +5,16 @@
         drain the data channel: groups into the buffer, rollout stats/evals into metrics
         batch = buffer.pop_batch(v, batch_size)       (oldest first, η re-checked)
         if none: wait (idle time counted), re-announce now and then
-        stats = train_step(batch)                      (v → v+1, or skipped)
+        stats = train_on(batch)                        (v → v+1, or skipped)
         every weight_sync.every_n_steps: snapshot weights, announce them, deliver
         every run.checkpoint_every_n_steps: checkpoint trainer + counts + data position
     announce stop; wait for the rollout side's final counts; write the summary
 
 The trainer side owns the run folder, the metrics and the summary (docs/design.md §9.6).
 It does not know which backend trains or which transport carries weights: it is
-handed a `TrainerHandle` and a `WeightPublisher`.
+handed a `TrainerHandle` and a `WeightPublisher`. `_run` is the schedule above, line
+for line; recording goes to `TrainerTelemetry`, and what keeps a stuck or resumed
+rollout side fed (`_while_waiting`) and checkpoints are calls out of it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from areal_like.core.types import (
 )
 from areal_like.orchestration.channels import ControlPublisher, DataPuller
 from areal_like.orchestration.run_dir import RunDir
+from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
 
 __all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted"]
 
@@ -58,7 +61,7 @@ def _disk_full(e: BaseException) -> bool:
 class TrainerHandle(Protocol):
     version: int
 
-    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]: ...
+    def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]: ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -101,7 +104,7 @@ class TrainerController:
         self.publisher = publisher
         self.run_dir = run_dir
         self.mlog = mlog
-        self.m = registry or MetricsRegistry()
+        self.telemetry = TrainerTelemetry(mlog, registry or MetricsRegistry())
         self.model_path = Path(model_path)
         self.on_step = on_step
         self.check_peers = check_peers
@@ -116,10 +119,8 @@ class TrainerController:
         self.resumed_meta: WeightUpdateMeta | None = None
         self.idle_s = 0.0
         self.busy_s = 0.0
-        self.evals: list[dict[str, Any]] = []
         self._last_announce = 0.0
         self._resumed_sent_at = time.time()
-        self._last_rollout: dict[str, float] = {}
         self._stopping = False
         self._sent_at = time.time()
         """When weights were last sent (a rollout report must come later to say it lags)."""
@@ -176,33 +177,84 @@ class TrainerController:
         while self.trainer.version < cfg.train.total_steps:
             self._drain(timeout_s=0.05)
             v = self.trainer.version
-            groups = self.buffer.pop_batch(v, cfg.train.batch_size)
+            groups = self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
             if groups is None:
-                if self.resumed_meta is not None and self.rollout is None:
-                    self._resend_resumed_weights()
-                self._resend_if_rollout_stuck()
-                self._announce(weights=self.resumed_meta if self.rollout is None else None)
-                if self.check_peers is not None or self._rollout_at:
-                    try:
-                        if self.check_peers is not None:
-                            self.check_peers()
-                        self._check_rollout_alive()
-                    except Exception as e:  # the trainer's state is whole: save it before stopping
-                        self._abort_checkpoint()
-                        raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
+                self._while_waiting(v)
                 continue
             self.idle_s += time.time() - t_wait
             t0 = time.time()
-            try:
-                self._train(groups, v)
-            except Exception as e:
-                if _disk_full(e):
-                    raise
-                log.error("the train step at v%d failed", v, exc_info=e)
-                raise RunAborted(f"the train step at v{v} failed: {e}; the run stopped: {self._resume_hint()}") from e
+            stats = self._train_step(groups, v)
+            skipped = self.trainer.version == v
+            rec = self.telemetry.train_step(groups, v, self.trainer.version, skipped, stats, self.buffer)
+            if not skipped and self._due(cfg.weight_sync.every_n_steps):
+                self._publish_weights(rec)
+            else:
+                self._announce(force=True)
             self.busy_s += time.time() - t0
+            self.telemetry.write_step(rec, self.idle_s / max(self.idle_s + self.busy_s, 1e-9),
+                                      self.rollout.loaded_version if self.rollout is not None else None)
+            if self.on_step is not None:
+                self.on_step(rec)
+            if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
+                self.checkpoint()
             t_wait = time.time()
         return self._finish()
+
+    def _due(self, every: int) -> bool:
+        v = self.trainer.version
+        return v % every == 0 or v >= self.cfg.train.total_steps
+
+    def _train_step(self, groups: list[TrajectoryGroup], v: int) -> dict[str, float]:
+        """v → v+1, or skipped (non-finite loss or gradient: the version stays)."""
+        try:
+            stats = self.trainer.train_on([t for g in groups for t in g.trajectories])
+        except Exception as e:
+            if _disk_full(e):
+                raise
+            log.error("the train step at v%d failed", v, exc_info=e)
+            raise RunAborted(f"the train step at v{v} failed: {e}; the run stopped: {self._resume_hint()}") from e
+        if self.trainer.version == v:
+            self.buffer.mark_skipped(groups)
+            log.warning("train step at v%d skipped (non-finite loss or gradient)", v)
+        else:
+            self.buffer.mark_trained(groups)
+            if self.cfg.run.record_trajectories:
+                self.run_dir.append_trajectories(groups, consumed_at_version=v)
+        return stats
+
+    def _publish_weights(self, rec: dict[str, Any]) -> None:
+        """Snapshot the new version, announce it, wait (bounded) for the broadcast."""
+        new_v = self.trainer.version
+        t0 = time.time()
+        meta = self.weights.send(new_v, self.trainer.named_weights())
+        self._sent_at = time.time()
+        if self.cfg.run.record_weights:
+            self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
+        self.last_meta = meta
+        self._announce(weights=meta, force=True)
+        try:
+            done = self.weights.wait(timeout=self.cfg.weight_sync.timeout_s)
+        except Exception as e:  # still on the wire (a stalled receiver): the next send waits for it
+            log.warning("weights v%d: %s; training goes on", new_v, e)
+            done = None
+        self.telemetry.weight_sync(rec, time.time() - t0, done)
+        if done is not None and not done.ok:
+            log.error("weight sync of v%d failed: %s (engines keep their version)", new_v, done.error)
+
+    def _while_waiting(self, v: int) -> None:
+        """No batch yet: keep the rollout side fed and check that it is alive."""
+        if self.resumed_meta is not None and self.rollout is None:
+            self._resend_resumed_weights()
+        self._resend_if_rollout_stuck()
+        self._announce(weights=self.resumed_meta if self.rollout is None else None)
+        if self.check_peers is not None or self._rollout_at:
+            try:
+                if self.check_peers is not None:
+                    self.check_peers()
+                self._check_rollout_alive()
+            except Exception as e:  # the trainer's state is whole: save it before stopping
+                self._abort_checkpoint()
+                raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
 
     def _abort_checkpoint(self) -> None:
         try:
@@ -262,88 +314,6 @@ class TrainerController:
         self._sent_at = time.time()
         self._announce(weights=self.last_meta, force=True)
 
-    def _train(self, groups: list[TrajectoryGroup], v: int) -> None:
-        cfg = self.cfg
-        trajs = [t for g in groups for t in g.trajectories]
-        stats = self.trainer.train_step(trajs)
-        skipped = self.trainer.version == v
-        if skipped:
-            self.buffer.mark_skipped(groups)
-            log.warning("train step at v%d skipped (non-finite loss or gradient)", v)
-        else:
-            self.buffer.mark_trained(groups)
-            if cfg.run.record_trajectories:
-                self.run_dir.append_trajectories(groups, consumed_at_version=v)
-        new_v = self.trainer.version
-        head_lags = [v - g.head_version for g in groups]
-        token_lags = [v - x for t in trajs for x, m in zip(t.response_versions, t.response_mask, strict=True) if m]
-        rewards = [t.reward for t in trajs]
-        rec = {
-            "step": new_v if not skipped else v,
-            "skipped": skipped,
-            "reward_mean": sum(rewards) / len(rewards),
-            "samples": len(trajs),
-            "max_version_lag": max(head_lags),
-            "mean_version_lag": sum(head_lags) / len(head_lags),
-            "head_lag_hist": _hist(head_lags),
-            "token_lag_hist": _hist(token_lags),
-            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
-            "buffer_depth": self.buffer.depth,
-            "over_stale": self.buffer.counts["over_stale"],
-            "filtered": self.buffer.counts["filtered"],
-            **{k: v for k, v in stats.items() if k not in ("version",)},
-        }
-        for lag in head_lags:
-            self.m.head_lag.observe(lag)
-        for lag in token_lags:
-            self.m.token_lag.observe(lag)
-        for r in rewards:
-            self.m.reward.observe(r)
-        self.m.reward_mean.set(rec["reward_mean"])
-        self.m.trainer_version.set(new_v)
-        self.m.train_tokens.inc(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
-        if "behav_prox_gap" in stats:
-            self.m.logprob_gap.set(stats["behav_prox_gap"])
-        for stat in ("behav_weight_mean", "behav_weight_max", "behav_capped", "behav_masked"):
-            if stat in stats:
-                self.m.iw.labels(stat=stat.removeprefix("behav_")).set(stats[stat])
-        if "tokens_per_s" in stats:
-            self.m.tokens_per_s.labels(pool="train").set(stats["tokens_per_s"])
-        for k, n in self.buffer.summary(0, 0).items():
-            if k not in ("started", "cancelled"):
-                self.m.outcomes.labels(outcome=k).set(n)
-        if not skipped and (new_v % cfg.weight_sync.every_n_steps == 0 or new_v >= cfg.train.total_steps):
-            t0 = time.time()
-            meta = self.weights.send(new_v, self.trainer.named_weights())
-            self._sent_at = time.time()
-            if cfg.run.record_weights:
-                self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
-            self.last_meta = meta
-            self._announce(weights=meta, force=True)
-            try:
-                done = self.weights.wait(timeout=cfg.weight_sync.timeout_s)
-            except Exception as e:  # still on the wire (a stalled receiver): the next send waits for it
-                log.warning("weights v%d: %s; training goes on", new_v, e)
-                done = None
-            rec["weight_sync_s"] = time.time() - t0
-            if done is not None and getattr(done, "bytes", 0):
-                rec["weight_sync_bytes"] = done.bytes
-                self.m.sync_bytes.inc(done.bytes)
-                self.m.sync_seconds.observe(done.seconds)
-            if done is not None and not getattr(done, "ok", True):
-                log.error("weight sync of v%d failed: %s (engines keep their version)", new_v, done.error)
-        else:
-            self._announce(force=True)
-        if self.rollout is not None:
-            rec["rollout_version"] = self.rollout.loaded_version
-        rec["trainer_idle_ratio"] = self.idle_s / max(self.idle_s + self.busy_s, 1e-9)
-        self.m.idle_ratio.labels(pool="train").set(rec["trainer_idle_ratio"])
-        self.mlog.write("train_step", new_v, **rec)
-        if self.on_step is not None:
-            self.on_step(rec)
-        if not skipped and (new_v % cfg.run.checkpoint_every_n_steps == 0 or new_v >= cfg.train.total_steps):
-            self.checkpoint()
-
     # ---- channels ------------------------------------------------------------------------
     def _announce(self, *, weights: WeightUpdateMeta | None = None, data_position: dict[str, int] | None = None,
                   force: bool = False) -> None:
@@ -373,46 +343,18 @@ class TrainerController:
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, TrajectoryGroup):
             self.buffer.put(msg)
-            self.m.buffer_depth.set(self.buffer.depth)
+            self.telemetry.m.buffer_depth.set(self.buffer.depth)
+        elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
+            self.telemetry.evaluation(msg, self.trainer.version)
+            log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.eval.accuracy)
         elif isinstance(msg, RolloutStats):
-            if msg.kind == "eval":
-                rec = self.mlog.write("eval", self.trainer.version, version=msg.loaded_version, **msg.metrics)
-                self.evals.append(rec)
-                log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.metrics.get("accuracy", float("nan")))
-                return
             self.rollout = msg
             self._rollout_at = time.time()
             if msg.kind == "final":
                 self.final = msg
-            self.m.server_version.labels(server="rollout").set(msg.loaded_version)
-            self._rollout_counters(msg.metrics)
-            for k in ("running", "sent", "dropped", "consumed", "capacity"):
-                if f"gate_{k}" in msg.metrics:
-                    self.m.gate.labels(state=k).set(msg.metrics[f"gate_{k}"])
-            fields = {**msg.metrics, "loaded_version": msg.loaded_version, "started": msg.started,
-                      "episodes_running": msg.running}
-            self.mlog.write("rollout", self.trainer.version, **fields)
+            self.telemetry.rollout_report(msg, self.trainer.version)
         else:
             log.warning("unexpected message on the data channel: %s", type(msg).__name__)
-
-    def _rollout_counters(self, metrics: dict[str, float]) -> None:
-        """Rollout numbers are cumulative per rollout process: add what is new."""
-        counters = {"generated_tokens": self.m.gen_tokens, "interrupts": self.m.interrupts,
-                    "interrupted_tokens": self.m.interrupted_tokens, "recompute_tokens": self.m.recompute_tokens}
-        for key, counter in counters.items():
-            if key in metrics:
-                delta = metrics[key] - self._last_rollout.get(key, 0.0)
-                if delta > 0:
-                    counter.inc(delta)
-                self._last_rollout[key] = metrics[key]
-        if metrics.get("interrupts", 0.0) > self._last_rollout.get("_pause_seen", 0.0):
-            self._last_rollout["_pause_seen"] = metrics["interrupts"]
-            if "pause_resume_latency_s_max" in metrics:
-                self.m.pause_resume.observe(metrics["pause_resume_latency_s_max"])
-        if "gen_tokens_per_s" in metrics:
-            self.m.tokens_per_s.labels(pool="rollout").set(metrics["gen_tokens_per_s"])
-        if "rollout_idle_ratio" in metrics:
-            self.m.idle_ratio.labels(pool="rollout").set(metrics["rollout_idle_ratio"])
 
     # ---- checkpoint and end ----------------------------------------------------------------
     def _accounted(self) -> int:
@@ -424,9 +366,7 @@ class TrainerController:
         ckpt = self.run_dir.checkpoint_dir(v)
         ckpt.mkdir(parents=True, exist_ok=True)
         (ckpt / "COMPLETE").unlink(missing_ok=True)  # rewriting v (a checkpoint before stopping)
-        data_position = None
-        if self.rollout is not None:
-            data_position = {k[5:]: int(x) for k, x in self.rollout.metrics.items() if k.startswith("data_")}
+        data_position = self.rollout.data_position if self.rollout is not None else None
         extra = {"buffer": self.buffer.state_dict(), "accounted": self._accounted(), "data_position": data_position}
         self.trainer.save(ckpt / "trainer", extra=extra)
         self.run_dir.mark_complete(ckpt, {"version": v, "time": time.time()})
@@ -447,13 +387,6 @@ class TrainerController:
         if not ok:
             log.error("outcome counts do not add up: %s", summary)
         self.mlog.write("summary", self.trainer.version, counts_add_up=ok, **summary,
-                        evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.evals])
+                        evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary
-
-
-def _hist(values: list[int]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in values:
-        out[str(x)] = out.get(str(x), 0) + 1
-    return out
 

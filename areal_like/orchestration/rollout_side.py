@@ -1,0 +1,213 @@
+"""The rollout cluster's process: servers, agent runner, data, gate and the controller.
+
+`RolloutSide.run()` builds everything from the config, connects to the trainer at
+`transport.data_addr` / `transport.control_addr` (docs/design.md §9.6) and drives the
+`RolloutController` until the trainer announces the end. The controller is handed
+plain callables (`run_episode`, `score`, `send`, `apply_weights`, `join_weights`,
+`counters`) and knows nothing of servers, sockets or transports; this class owns those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_like.core.config import ConfigError, ExperimentConfig
+from areal_like.core.types import RolloutCounters, SamplingParams, VersionAnnouncement, WeightUpdateMeta
+
+__all__ = ["RolloutSide"]
+
+log = logging.getLogger(__name__)
+
+
+class RolloutSide:
+    """Everything the rollout cluster runs, in one process (or one Ray actor)."""
+
+    def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
+                 user: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.user = user or {}
+        """Objects given through the Python API instead of the config: `rows`, `eval_rows`,
+        `reward_fn`, `tools`, `loops` (docs/design.md §9.10)."""
+        self.data_addr = data_addr or cfg.transport.data_addr
+        self.control_addr = control_addr or cfg.transport.control_addr
+        for name, addr in (("data_addr", self.data_addr), ("control_addr", self.control_addr)):
+            if addr.endswith(":0"):
+                raise ConfigError(
+                    f"transport.{name}={addr}: the rollout side connects, so it needs the trainer's real port "
+                    "(port 0 only works when `areal-like run` starts both sides)"
+                )
+        self.servers: list[Any] = []
+        self._rates = _Rates()
+
+    def run(self) -> dict[str, Any]:
+        return asyncio.run(self.main())
+
+    async def main(self) -> dict[str, Any]:
+        import torch
+
+        from areal_like.orchestration.bridge import drive_rollout, make_sender
+        from areal_like.orchestration.channels import ControlSubscriber, DataPusher
+        from areal_like.orchestration.rollout_controller import RolloutController
+
+        cfg = self.cfg
+        logging.getLogger().setLevel(cfg.run.log_level)
+        torch.set_num_threads(cfg.rollout.server_threads)
+        runner = self._build_servers_and_runner()
+        self.receiver = self._build_receiver()
+        pusher = DataPusher(self.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
+        subscriber = ControlSubscriber(self.control_addr, cfg.transport.secret)
+        sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.response_length)
+        if sampling.approximate_logprobs:
+            log.warning("rollout.top_p/top_k truncate sampling: importance weights are approximate")
+        controller = RolloutController(
+            gate=self._build_gate(),
+            source=self._build_source(runner),
+            group_size=cfg.rollout.group_size,
+            sampling=sampling,
+            run_episode=runner.run_episode,
+            score=runner.score,
+            send=make_sender(pusher),
+            apply_weights=self.apply_weights,
+            join_weights=self.join_weights,
+            counters=self.counters,
+            eval_rows=self._eval_rows(),
+            eval_every=cfg.eval.every_n_steps,
+            eval_sampling=sampling.model_copy(update={"temperature": cfg.eval.temperature}),
+            loaded_version=0,
+            seed=cfg.run.seed,
+        )
+        try:
+            await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s)
+        finally:
+            for s in self.servers:
+                await s.close()
+            self.receiver.close()
+            pusher.close()
+            subscriber.close()
+        return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes}
+
+    # ---- building ------------------------------------------------------------------------
+    def _build_servers_and_runner(self) -> Any:
+        from areal_like.models.tiny_model import load_tokenizer
+        from areal_like.orchestration.launch import resolve_model_path
+        from rollout_cluster.agent_loop.runner import AgentRunner
+        from rollout_cluster.server import RolloutServer
+        from rollout_cluster.server_manager import ServerManager
+
+        cfg = self.cfg
+        model_path = resolve_model_path(cfg)
+        self.tokenizer = load_tokenizer(model_path)
+        self.servers = [
+            RolloutServer(model_path, self.tokenizer, engine_config=cfg.rollout.engine,
+                          interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i, set_threads=False)
+            for i in range(cfg.rollout.num_servers)
+        ]
+        self.manager = ServerManager(self.servers, max_sticky_sessions=cfg.rollout.max_sticky_sessions)
+        overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}
+        return AgentRunner.from_config(cfg, server_manager=self.manager, tokenizer=self.tokenizer, **overrides)
+
+    def _build_source(self, runner: Any) -> Any:
+        from areal_like.orchestration.dataset import PromptSource, load_rows
+
+        cfg = self.cfg
+        tools = [t.schema for t in runner.tools] if runner.tools else None
+
+        def prompt_len(row: dict[str, Any]) -> int:
+            use_tools = tools if (row.get("agent_name") or cfg.agent.default_loop) == "tool_agent" else None
+            out = self.tokenizer.apply_chat_template(row["prompt"], tools=use_tools, add_generation_prompt=True,
+                                                     tokenize=True)
+            return len(out["input_ids"] if not isinstance(out, list) else out)
+
+        rows = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed)
+        source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len)
+        if source.filtered_too_long:
+            log.warning("%d prompts longer than rollout.max_prompt_len=%d were filtered at load",
+                        source.filtered_too_long, cfg.rollout.max_prompt_len)
+        return source
+
+    def _eval_rows(self) -> list[dict[str, Any]]:
+        from areal_like.orchestration.dataset import load_rows
+
+        cfg = self.cfg
+        return (self.user.get("eval_rows") or load_rows(cfg.dataset, "eval", cfg.run.seed))[: cfg.eval.num_samples]
+
+    def _build_gate(self) -> Any:
+        from areal_like.core.staleness import StalenessGate
+
+        cfg = self.cfg
+        return StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent)
+
+    def _build_receiver(self) -> Any:
+        from weight_sync import make_receiver
+
+        return make_receiver(self.cfg.weight_sync, f"rollout-{socket.gethostname()}-{os.getpid()}",
+                             default_disk_path=Path(self.cfg.run.dir) / "weight_sync")
+
+    # ---- what the controller calls ---------------------------------------------------------
+    async def apply_weights(self, meta: WeightUpdateMeta) -> int:
+        """Receive version `meta.version` and load it into every server (each interrupts,
+        drops its KV, loads, re-prefills and resumes by itself)."""
+        version, tensors = await asyncio.to_thread(self.receiver.receive, meta)
+        named = list(tensors)  # views into the receive buffer: every server copies them in
+        for s in self.servers:
+            await s.update_weights(named, version)
+        return version
+
+    async def join_weights(self, ann: VersionAnnouncement) -> None:
+        if ann.weight_store:
+            await asyncio.to_thread(self.receiver.join, ann.weight_store)
+
+    def counters(self) -> RolloutCounters:
+        per = [s.metrics() for s in self.servers]
+
+        def total(key: str) -> float:
+            return float(sum(m.get(key, 0.0) for m in per))
+
+        manager = self.manager.metrics()
+        busy = any(m.get("running", 0.0) > 0 or m.get("queue_depth", 0.0) > 0 for m in per)
+        generated = total("generated_tokens")
+        return RolloutCounters(
+            generated_tokens=generated,
+            interrupts=total("interrupts"),
+            interrupted_tokens=total("interrupted_tokens"),
+            recompute_tokens=total("recompute_tokens"),
+            pause_resume_latency_s_max=max((m.get("pause_resume_latency_s_max", 0.0) for m in per), default=0.0),
+            queue_depth=total("queue_depth"),
+            requests_running=total("running"),
+            kv_usage=total("kv_usage"),
+            gen_tokens_per_s=self._rates.rate("gen", generated),
+            rollout_idle_ratio=self._rates.idle(not busy),
+            servers=manager["servers"],
+            server_failures=manager["server_failures"],
+            generate_retries=manager["generate_retries"],
+        )
+
+
+class _Rates:
+    """Token rates and idle ratios from cumulative counters, sampled by the stats loop."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float]] = {}
+        self._idle_t = 0.0
+        self._all_t = 0.0
+        self._t = time.time()
+
+    def rate(self, key: str, value: float) -> float:
+        now = time.time()
+        t0, v0 = self._last.get(key, (now, value))
+        self._last[key] = (now, value)
+        return (value - v0) / (now - t0) if now > t0 else 0.0
+
+    def idle(self, idle_now: bool) -> float:
+        now = time.time()
+        dt, self._t = now - self._t, now
+        self._all_t += dt
+        self._idle_t += dt if idle_now else 0.0
+        return self._idle_t / self._all_t if self._all_t > 0 else 0.0

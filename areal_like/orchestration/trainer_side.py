@@ -1,0 +1,94 @@
+"""The train cluster's driver: run folder, train workers, weight sender, channels.
+
+`TrainerSide.run()` starts the train workers in the train pool and hands everything
+to the `TrainerController`, whose schedule is the trainer side's whole loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from areal_like.core.config import ConfigError, ExperimentConfig
+from areal_like.orchestration.launch import resolve_model_path
+
+__all__ = ["TrainerSide"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainerSide:
+    """The train cluster's driver: run folder, workers, sender, channels, controller."""
+
+    def __init__(self, cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False,
+                 placement_group: Any = None, on_step: Any = None, check_peers: Any = None) -> None:
+        from areal_like.core.metrics import MetricsLog, MetricsRegistry
+        from areal_like.orchestration.channels import ControlPublisher, DataPuller
+        from areal_like.orchestration.run_dir import RunDir
+        from weight_sync import make_sender
+
+        self.cfg = cfg
+        self.model_path = resolve_model_path(cfg)
+        self.run_dir = RunDir(cfg.run.dir)
+        self.run_dir.prepare(cfg, resume=resume, overwrite=overwrite)
+        self.registry = MetricsRegistry()
+        tb = self.run_dir.path / "tensorboard" if cfg.metrics.tensorboard else None
+        self.mlog = MetricsLog(self.run_dir.metrics, tb, cfg.metrics.wandb_project)
+        from areal_like.orchestration.dashboard import Dashboard
+
+        # refuses a non-loopback bind without a token before anything else starts
+        self.dashboard = Dashboard(self.mlog, self.registry, host=cfg.metrics.dashboard_host,
+                                   port=cfg.metrics.dashboard_port, token=cfg.metrics.dashboard_token,
+                                   run_name=Path(cfg.run.dir).name)
+        self.dashboard_url = self.dashboard.start()
+        log.info("dashboard: %s", self.dashboard_url)
+        self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
+        self.publisher = ControlPublisher(cfg.transport.control_addr, cfg.transport.secret)
+        self.sender = make_sender(cfg.weight_sync, default_disk_path=self.run_dir.path / "weight_sync")
+        self.resume = resume
+        self.placement_group = placement_group
+        self.on_step = on_step
+        self.check_peers = check_peers
+        self.group: Any = None
+        self.controller: Any = None
+
+    @property
+    def addresses(self) -> tuple[str, str]:
+        return self.puller.addr, self.publisher.addr
+
+    def run(self) -> dict[str, int]:
+        from areal_like.orchestration.trainer_controller import TrainerController
+        from train_cluster.worker_group import TrainWorkerGroup
+
+        cfg = self.cfg
+        if cfg.train.backend.type != "torch":
+            raise ConfigError("train.backend.type=megatron runs only through the GPU launcher (not on this machine)")
+        self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                      placement_group=self.placement_group, log_level=cfg.run.log_level)
+        trainer = self.group
+        self.controller = TrainerController(
+            cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
+            run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
+            on_step=self.on_step, check_peers=self.check_peers,
+        )
+        if self.resume:
+            self.controller.resume()
+        summary = self.controller.run()
+        self.export_final(trainer)
+        return summary
+
+    def export_final(self, trainer: Any) -> None:
+        from areal_like.orchestration.run_dir import save_hf_folder
+
+        save_hf_folder(self.run_dir.final, dict(trainer.named_weights()), self.model_path)
+        log.info("final model exported to %s", self.run_dir.final)
+
+    def close(self) -> None:
+        self.dashboard.stop()
+        self.sender.close()
+        self.puller.close()
+        self.publisher.close()
+        self.mlog.close()
+        if self.group is not None:
+            self.group.shutdown()

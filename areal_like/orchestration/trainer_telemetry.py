@@ -1,0 +1,119 @@
+"""What the trainer side records: one call per event, out of the schedule's way.
+
+The trainer controller calls `train_step`, `rollout_report` and `evaluation`; this
+module turns them into `metrics.jsonl` records (docs/design.md §7) and the Prometheus
+registry behind the dashboard (§5). Rollout numbers arrive cumulative per rollout
+process; counters here add only what is new.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areal_like.core.buffer import TrajectoryBuffer
+from areal_like.core.metrics import MetricsLog, MetricsRegistry
+from areal_like.core.types import RolloutCounters, RolloutStats, TrajectoryGroup
+
+__all__ = ["TrainerTelemetry"]
+
+
+class TrainerTelemetry:
+    def __init__(self, mlog: MetricsLog, registry: MetricsRegistry) -> None:
+        self.mlog = mlog
+        self.m = registry
+        self.evals: list[dict[str, Any]] = []
+        self._last: dict[str, float] = {}
+        self._pauses_seen = 0.0
+
+    def train_step(self, groups: list[TrajectoryGroup], v: int, new_v: int, skipped: bool,
+                   stats: dict[str, float], buffer: TrajectoryBuffer) -> dict[str, Any]:
+        """The step's record (written by the caller once weight-sync numbers are in)."""
+        trajs = [t for g in groups for t in g.trajectories]
+        head_lags = [v - g.head_version for g in groups]
+        token_lags = [v - x for t in trajs for x, m in zip(t.response_versions, t.response_mask, strict=True) if m]
+        rewards = [t.reward for t in trajs]
+        rec: dict[str, Any] = {
+            "step": new_v if not skipped else v,
+            "skipped": skipped,
+            "reward_mean": sum(rewards) / len(rewards),
+            "samples": len(trajs),
+            "max_version_lag": max(head_lags),
+            "mean_version_lag": sum(head_lags) / len(head_lags),
+            "head_lag_hist": _hist(head_lags),
+            "token_lag_hist": _hist(token_lags),
+            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+            "buffer_depth": buffer.depth,
+            "over_stale": buffer.counts["over_stale"],
+            "filtered": buffer.counts["filtered"],
+            **{k: x for k, x in stats.items() if k != "version"},
+        }
+        for lag in head_lags:
+            self.m.head_lag.observe(lag)
+        for lag in token_lags:
+            self.m.token_lag.observe(lag)
+        for r in rewards:
+            self.m.reward.observe(r)
+        self.m.reward_mean.set(rec["reward_mean"])
+        self.m.trainer_version.set(new_v)
+        self.m.train_tokens.inc(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+        if "behav_prox_gap" in stats:
+            self.m.logprob_gap.set(stats["behav_prox_gap"])
+        for stat in ("behav_weight_mean", "behav_weight_max", "behav_capped", "behav_masked"):
+            if stat in stats:
+                self.m.iw.labels(stat=stat.removeprefix("behav_")).set(stats[stat])
+        if "tokens_per_s" in stats:
+            self.m.tokens_per_s.labels(pool="train").set(stats["tokens_per_s"])
+        for k, n in buffer.summary(0, 0).items():
+            if k not in ("started", "cancelled"):
+                self.m.outcomes.labels(outcome=k).set(n)
+        return rec
+
+    def weight_sync(self, rec: dict[str, Any], seconds: float, done: Any) -> None:
+        rec["weight_sync_s"] = seconds
+        if done is not None and done.bytes:
+            rec["weight_sync_bytes"] = done.bytes
+            self.m.sync_bytes.inc(done.bytes)
+            self.m.sync_seconds.observe(done.seconds)
+
+    def write_step(self, rec: dict[str, Any], trainer_idle_ratio: float, rollout_version: int | None) -> None:
+        if rollout_version is not None:
+            rec["rollout_version"] = rollout_version
+        rec["trainer_idle_ratio"] = trainer_idle_ratio
+        self.m.idle_ratio.labels(pool="train").set(trainer_idle_ratio)
+        self.mlog.write("train_step", rec["step"], **rec)
+
+    def rollout_report(self, msg: RolloutStats, trainer_version: int) -> None:
+        self.m.server_version.labels(server="rollout").set(msg.loaded_version)
+        self._counters(msg.counters)
+        for k in ("running", "sent", "dropped", "consumed", "capacity"):
+            self.m.gate.labels(state=k).set(getattr(msg.gate, k))
+        self.mlog.write("rollout", trainer_version, **msg.flat(), loaded_version=msg.loaded_version,
+                        started=msg.started, episodes_running=msg.running)
+
+    def evaluation(self, msg: RolloutStats, trainer_version: int) -> dict[str, Any]:
+        assert msg.eval is not None
+        rec = self.mlog.write("eval", trainer_version, version=msg.loaded_version, **msg.eval.model_dump())
+        self.evals.append(rec)
+        return rec
+
+    def _counters(self, c: RolloutCounters) -> None:
+        counters = {"generated_tokens": self.m.gen_tokens, "interrupts": self.m.interrupts,
+                    "interrupted_tokens": self.m.interrupted_tokens, "recompute_tokens": self.m.recompute_tokens}
+        for key, counter in counters.items():
+            value = getattr(c, key)
+            delta = value - self._last.get(key, 0.0)
+            if delta > 0:
+                counter.inc(delta)
+            self._last[key] = value
+        if c.interrupts > self._pauses_seen:
+            self._pauses_seen = c.interrupts
+            self.m.pause_resume.observe(c.pause_resume_latency_s_max)
+        self.m.tokens_per_s.labels(pool="rollout").set(c.gen_tokens_per_s)
+        self.m.idle_ratio.labels(pool="rollout").set(c.rollout_idle_ratio)
+
+
+def _hist(values: list[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in values:
+        out[str(x)] = out.get(str(x), 0) + 1
+    return out
