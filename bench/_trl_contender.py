@@ -108,7 +108,7 @@ def main() -> None:
     from areal_like.core.config import load_config
     from areal_like.models.tiny_model import load_tokenizer
     from areal_like.orchestration.dataset import load_rows
-    from areal_like.orchestration.launch import resolve_model_path
+    from areal_like.orchestration.preflight import resolve_model_path
 
     out = Path(args.out)
     (out / "ckpt").mkdir(parents=True, exist_ok=True)

@@ -268,7 +268,7 @@ class Evaluator:
         from areal_like.core.config import load_config
         from areal_like.models.tiny_model import load_tokenizer
         from areal_like.orchestration.dataset import load_rows
-        from areal_like.orchestration.launch import resolve_model_path
+        from areal_like.orchestration.preflight import resolve_model_path
         from rollout_cluster.agent_loop.chat import ChatTemplate
         from rollout_cluster.tool_parser import HermesToolParser
         from rollout_cluster.tools.calculator import CalculatorTool

@@ -147,3 +147,8 @@ def test_weight_sync_is_a_union_chosen_by_type(tmp_path):
     assert isinstance(cfg.weight_sync, DiskWeightSyncConfig) and cfg.weight_sync.disk_path == str(tmp_path)
     with pytest.raises(ConfigError, match="disk_path: unknown key"):
         load_config(None, [f"weight_sync.disk_path={tmp_path}"])  # the dist transport has no folder
+
+
+def test_a_gate_that_could_never_admit_a_group_is_refused_at_load():
+    with pytest.raises(ConfigError, match="max_concurrent=4 < rollout.group_size=8: groups are admitted whole"):
+        load_config(None, ["staleness.max_concurrent=4", "rollout.group_size=8"])

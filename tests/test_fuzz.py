@@ -246,7 +246,7 @@ def test_config_yaml_tags_are_not_executed(tmp_path: Path) -> None:
     ],
 )
 def test_impossible_pool_sizes_are_refused_before_start(overrides: list[str], needle: str) -> None:
-    from areal_like.orchestration.launch import check_resources
+    from areal_like.orchestration.preflight import check_resources
 
     with pytest.raises(ConfigError, match=needle):
         check_resources(load_config(None, overrides))
@@ -258,7 +258,7 @@ def test_impossible_pool_sizes_are_refused_before_start(overrides: list[str], ne
 def test_gpu_configs_refused_on_a_machine_without_gpus(override: str) -> None:
     import torch
 
-    from areal_like.orchestration.launch import check_resources
+    from areal_like.orchestration.preflight import check_resources
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -269,7 +269,7 @@ def test_gpu_configs_refused_on_a_machine_without_gpus(override: str) -> None:
 
 
 def test_quickstart_pools_fit() -> None:
-    from areal_like.orchestration.launch import check_resources
+    from areal_like.orchestration.preflight import check_resources
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("the quickstart reserves 2 CPUs")

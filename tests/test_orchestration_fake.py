@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from areal_like.core.config import load_config
@@ -17,21 +18,22 @@ from areal_like.orchestration.channels import ControlPublisher, ControlSubscribe
 from areal_like.orchestration.dataset import PromptSource
 from areal_like.orchestration.rollout_controller import RolloutController
 from areal_like.orchestration.run_dir import RunDir
-from areal_like.orchestration.trainer_controller import TrainerController
+from areal_like.orchestration.trainer_controller import RunAborted, TrainerController
 from tests.test_rollout_controller import FakeRollout, _rows
 
 
 class FakeTrainer:
-    def __init__(self, nan_at: int = -1) -> None:
+    def __init__(self, nan_at: int = -1, nan_times: int = 1) -> None:
         self.version = 0
         self.w = torch.zeros(3)
         self.nan_at = nan_at
+        self.nan_times = nan_times
         self.seen: list[str] = []
 
     def train_on(self, trajectories):
         self.seen += [t.episode_id for t in trajectories]
-        if self.version == self.nan_at:
-            self.nan_at = -1
+        if self.version == self.nan_at and self.nan_times > 0:
+            self.nan_times -= 1
             return {"loss": float("nan")}
         self.version += 1
         self.w += 1
@@ -61,9 +63,10 @@ class FakeWeights:
         return None
 
 
-def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None = None, seed: int = 0):
+def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None = None, seed: int = 0,
+         eta: int = 1):
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}", "train.batch_size=2",
-                             "rollout.group_size=4", "staleness.max_staleness=1", "run.record_trajectories=true",
+                             "rollout.group_size=4", f"staleness.max_staleness={eta}", "run.record_trajectories=true",
                              "run.checkpoint_every_n_steps=3"])
     rd = RunDir(cfg.run.dir)
     rd.prepare(cfg, resume=resume)
@@ -102,8 +105,10 @@ def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None
 
     t = threading.Thread(target=rollout_thread, daemon=True)
     t.start()
-    summary = tc.run()
-    t.join(30)
+    try:
+        summary = tc.run()
+    finally:
+        t.join(30)
     assert not t.is_alive()
     puller.close()
     publisher.close()
@@ -173,3 +178,16 @@ def test_silent_rollout_side_stops_the_trainer_with_a_checkpoint(tmp_path) -> No
     puller.close()
     publisher.close()
     tc.mlog.close()
+
+
+def test_skipped_steps_free_gate_capacity_even_at_eta_0(tmp_path) -> None:
+    """Two non-finite steps in a row at η=0 used to shut the gate for good (the skipped
+    samples stayed 'accepted' while the version stood still): the run hung silently."""
+    cfg, rd, summary, trainer = _run(tmp_path, steps=4, trainer=FakeTrainer(nan_at=1, nan_times=2), eta=0)
+    assert trainer.version == 4 and summary["skipped"] >= 2 * cfg.train.batch_size * 2  # two steps of >= 2 per group
+    assert sum(summary[k] for k in summary if k != "started") == summary["started"]
+
+
+def test_too_many_skipped_steps_in_a_row_stop_the_run(tmp_path) -> None:
+    with pytest.raises(RunAborted, match=r"3 train steps in a row .*train.max_consecutive_skips=3"):
+        _run(tmp_path, steps=4, trainer=FakeTrainer(nan_at=1, nan_times=99), eta=0)

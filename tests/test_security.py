@@ -128,18 +128,43 @@ def _host(addr: str) -> str:
     return addr.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
-def test_every_listener_defaults_to_loopback() -> None:
+def _listening(proc) -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet") if c.status == "LISTEN"}
+
+
+def test_every_listener_binds_loopback_by_default(tmp_path) -> None:
+    """Open each listener with the default config and read what the kernel says it bound
+    (the weight-group TCPStore used to listen on every interface)."""
+    import psutil
+
+    from areal_like.core.metrics import MetricsLog, MetricsRegistry
+    from areal_like.orchestration.channels import ControlPublisher, DataPuller
+    from areal_like.orchestration.dashboard import Dashboard
+    from weight_sync import make_sender
+
     cfg = ExperimentConfig()
-    assert _host(cfg.transport.data_addr) == "127.0.0.1"
-    assert _host(cfg.transport.control_addr) == "127.0.0.1"
-    assert _host(cfg.weight_sync.store_addr) == "127.0.0.1"
-    assert cfg.metrics.dashboard_host == "127.0.0.1"
-    import inspect
-
+    me = psutil.Process()
+    before = _listening(me)
+    puller = DataPuller(cfg.transport.data_addr)
+    publisher = ControlPublisher(cfg.transport.control_addr)
+    sender = make_sender(cfg.weight_sync)
+    mlog = MetricsLog(tmp_path / "metrics.jsonl")
+    dash = Dashboard(mlog, MetricsRegistry(), host=cfg.metrics.dashboard_host, port=0)
+    dash.start()
+    try:
+        opened = _listening(me) - before
+        ports = {int(a.rsplit(":", 1)[1]) for a in (puller.addr, publisher.addr, sender.rendezvous)}
+        assert ports <= {p for _, p in opened}, (ports, opened)
+        assert len(opened) >= 4
+        assert all(ip == "127.0.0.1" for ip, _ in opened), opened
+    finally:
+        dash.stop()
+        sender.close()
+        puller.close()
+        publisher.close()
+        mlog.close()
     from areal_like.orchestration.launch import ray_env
-    from rollout_cluster.server import RolloutServer
 
-    assert inspect.signature(RolloutServer.start_http).parameters["host"].default == "127.0.0.1"
     assert ray_env()["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # embedded Ray binds 127.0.0.1
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -166,6 +167,20 @@ def _poll(check: Any, deadline: float) -> bool:
     return True
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to `host` only (IPv4 or IPv6), for the store to serve on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError as e:
+        sock.close()
+        raise WeightSyncError(f"weight_sync.store_addr={host}:{port}: cannot listen there: {e}") from e
+    return sock
+
+
 class DistWeightSender(WeightSender):
     """Trainer rank 0. Hosts the store and broadcasts each version to the current group.
 
@@ -180,9 +195,18 @@ class DistWeightSender(WeightSender):
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 1024 * 1024))
         self.device = torch.device(device)
         self._host = host
-        self._store = dist.TCPStore(
-            host, port, None, True, timeout=_timedelta(cfg.timeout_s), wait_for_workers=False
-        )
+        # TCPStore's own server listens on every interface whatever host it is given:
+        # hand it a socket bound to exactly `host` instead (docs/design.md §10.10).
+        listener = _listen(host, port)
+        try:
+            self._store = dist.TCPStore(
+                host, listener.getsockname()[1], None, True, timeout=_timedelta(cfg.timeout_s),
+                wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True,
+            )
+        except Exception:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the descriptor now and closes it with itself
         self.store_addr = f"{host}:{self._store.port}"
         """host:port of the group's TCPStore (the real port when the config said 0)."""
         self._ctl = dist.PrefixStore(_CTL, self._store)

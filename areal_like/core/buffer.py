@@ -37,7 +37,7 @@ class TrajectoryBuffer:
         self.dropped_sent = 0
         """Samples that reached the trainer side and were dropped (frees gate capacity)."""
         self.consumed = 0
-        """Samples handed to train steps (trained or skipped)."""
+        """Samples trained on."""
         self.lag_history: list[int] = []
         """Head version lag of every group handed out (for metrics)."""
 
@@ -92,10 +92,10 @@ class TrajectoryBuffer:
         self.consumed += n
 
     def mark_skipped(self, groups: list[TrajectoryGroup]) -> None:
-        """The step was skipped (NaN/inf): the samples were consumed, not trained."""
-        n = sum(len(g.trajectories) for g in groups)
-        self.counts["skipped"] += n
-        self.consumed += n
+        """The step was skipped (NaN/inf): its samples are dropped, not trained. The
+        version did not advance, so they must free their gate capacity like any drop,
+        or η+1 skipped steps would shut the gate for good (docs/design.md §10.9)."""
+        self._drop(sum(len(g.trajectories) for g in groups), "skipped")
 
     # ---- views ---------------------------------------------------------------------
     @property

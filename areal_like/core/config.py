@@ -286,6 +286,9 @@ TrainBackendConfig = Annotated[TorchBackendConfig | MegatronBackendConfig, Field
 class TrainConfig(_Section):
     total_steps: int = Field(100, ge=1)
     """Train steps (each advances the version by one)."""
+    max_consecutive_skips: int = Field(3, ge=1)
+    """Train steps skipped in a row (non-finite loss or gradient) that stop the run with an
+    error: a model that only produces NaN must not spin forever."""
     batch_size: int = Field(8, ge=1)
     """Prompts per train step; B = batch_size × rollout.group_size samples."""
     lr: float = Field(3e-4, gt=0.0)
@@ -422,6 +425,17 @@ class ExperimentConfig(_Section):
     @classmethod
     def _default_weight_sync_type(cls, data: Any) -> Any:
         return _default_union_type(data, "weight_sync", "dist")
+
+    @model_validator(mode="after")
+    def _can_admit_a_group(self) -> ExperimentConfig:
+        """Settings under which the gate could never admit a whole group would leave the
+        trainer waiting forever (docs/design.md §10.9): refuse them at load."""
+        if self.staleness.max_concurrent < self.rollout.group_size:
+            raise ValueError(
+                f"staleness.max_concurrent={self.staleness.max_concurrent} < rollout.group_size="
+                f"{self.rollout.group_size}: groups are admitted whole, so no group could ever start"
+            )
+        return self
 
     @property
     def samples_per_step(self) -> int:

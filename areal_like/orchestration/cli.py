@@ -71,7 +71,8 @@ def run(
     overwrite: bool = typer.Option(False, help="Replace an existing run.dir."),
 ) -> None:
     """Run both clusters on this machine (embedded Ray, one placement group per pool)."""
-    from areal_like.orchestration.launch import check_resources, resolve_model_path, run_both
+    from areal_like.orchestration.launch import run_both
+    from areal_like.orchestration.preflight import check_resources, resolve_model_path
     from areal_like.orchestration.run_dir import RunDirError
     from areal_like.orchestration.trainer_controller import RunAborted
 

@@ -96,7 +96,7 @@ class RolloutSide:
     # ---- building ------------------------------------------------------------------------
     def _build_servers_and_runner(self) -> Any:
         from areal_like.models.tiny_model import load_tokenizer
-        from areal_like.orchestration.launch import resolve_model_path
+        from areal_like.orchestration.preflight import resolve_model_path
         from rollout_cluster.agent_loop.runner import AgentRunner
         from rollout_cluster.server import RolloutServer
         from rollout_cluster.server_manager import ServerManager

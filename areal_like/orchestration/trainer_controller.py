@@ -118,6 +118,7 @@ class TrainerController:
         self.last_meta: WeightUpdateMeta | None = None
         self.resumed_meta: WeightUpdateMeta | None = None
         self.idle_s = 0.0
+        self.skips_in_a_row = 0
         self.busy_s = 0.0
         self._last_announce = 0.0
         self._resumed_sent_at = time.time()
@@ -215,8 +216,15 @@ class TrainerController:
             raise RunAborted(f"the train step at v{v} failed: {e}; the run stopped: {self._resume_hint()}") from e
         if self.trainer.version == v:
             self.buffer.mark_skipped(groups)
-            log.warning("train step at v%d skipped (non-finite loss or gradient)", v)
+            self.skips_in_a_row += 1
+            limit = self.cfg.train.max_consecutive_skips
+            log.warning("train step at v%d skipped (non-finite loss or gradient), %d in a row", v, self.skips_in_a_row)
+            if self.skips_in_a_row >= limit:
+                raise RunAborted(f"{self.skips_in_a_row} train steps in a row at v{v} were skipped for a non-finite "
+                                 f"loss or gradient (train.max_consecutive_skips={limit}): lower train.lr or check "
+                                 f"the rewards and the model; {self._resume_hint()}")
         else:
+            self.skips_in_a_row = 0
             self.buffer.mark_trained(groups)
             if self.cfg.run.record_trajectories:
                 self.run_dir.append_trajectories(groups, consumed_at_version=v)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import ConfigError, ExperimentConfig
-from areal_like.orchestration.launch import resolve_model_path
+from areal_like.orchestration.preflight import resolve_model_path
 
 __all__ = ["TrainerSide"]
 
