@@ -137,7 +137,10 @@ class AsyncEngine:
 
         Bad requests raise a `RequestError` (a `ValueError`) here, before queueing.
         """
-        return await self.submit(self._validate(request_id, prompt_ids, sampling_params, allow_n=False))
+        request = validate_request(
+            request_id, prompt_ids, sampling_params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+        )
+        return await self.submit(request)
 
     async def generate_n(
         self,
@@ -151,25 +154,15 @@ class AsyncEngine:
         Sample i uses seed `mix_seed(seed, i + 1)` when a seed is given, so the n
         samples differ but are reproducible (`EngineRequest.samples`).
         """
-        request = self._validate(request_id, prompt_ids, sampling_params, allow_n=True)
-        return list(await asyncio.gather(*(self.submit(r) for r in request.samples())))
-
-    def _validate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling_params: SamplingParams | Mapping[str, Any] | None,
-        *,
-        allow_n: bool,
-    ) -> EngineRequest:
-        return validate_request(
+        request = validate_request(
             request_id,
             prompt_ids,
             sampling_params,
             max_seq_len=self.max_seq_len,
             vocab_size=self.vocab_size,
-            allow_n=allow_n,
+            allow_n=True,
         )
+        return list(await asyncio.gather(*(self.submit(r) for r in request.samples())))
 
     async def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Run the engine's interrupt protocol between two steps; returns when loaded.
