@@ -2,26 +2,26 @@
 
 Two levels, in the spirit of vLLM v1 (`EngineCore.step` driven by a client):
 
-- `Engine` is synchronous and step-driven: `add_request`, `step() -> outputs`,
-  `abort`, `pause`/`resume`, `load_weights`, and `update_weights`, which owns the
-  whole interrupt protocol of docs/design.md §9.1 (stop at a step boundary, keep every
-  sampled token with its logprob and version, free all KV computed with old weights,
-  prefix cache included, load, set the version, re-prefill prompt + partial, go on).
-  The embedded engine implements it; tests drive it directly, one step at a time.
+- `Engine` is synchronous and step-driven: `enqueue` (or `add_request` from raw
+  arguments), `step() -> outputs`, `abort`, `pause`/`resume`, `load_weights`, and
+  `update_weights`, which owns the whole interrupt protocol of docs/design.md §9.1
+  (stop at a step boundary, keep every sampled token with its logprob and version,
+  free all KV computed with old weights, prefix cache included, load, set the
+  version, re-prefill prompt + partial, go on). The embedded engine implements it;
+  tests drive it directly, one step at a time.
 - `AsyncGenerateEngine` is what a `RolloutServer` hosts: `async submit(request)`
-  (or `generate(...)` from raw arguments) returning one `GenerateResult` per call (even across weight updates),
-  `async update_weights(...)`, `abort`, `version`, `metrics`. `AsyncEngine` turns any
-  `Engine` into one by driving `step()` on a background thread; the vLLM adapter is
-  one natively (AsyncLLM is already async).
+  (or `generate(...)` from raw arguments) returning one `GenerateResult` per call
+  (even across weight updates), `async update_weights(...)`, `abort`, `version`,
+  `metrics`. `AsyncEngine` turns any `Engine` into one by driving `step()` on a
+  background thread; the vLLM adapter is one natively (AsyncLLM is already async).
 
-Requests are validated once, at the edge (docs/design.md §4): `validate_request`
-turns raw input (ids, a dict or `SamplingParams`) into an `EngineRequest`, checked
-against the engine's limits, and everything inward takes that type and trusts it:
-`AsyncGenerateEngine.submit`, `Engine.enqueue`. The edges are `RolloutServer`
-(in-process and HTTP callers) and, for callers without a server, the raw-argument
-`generate` / `add_request`, each of which validates and goes on with the typed
-request. Every backend so refuses the same bad requests with the same `ValueError`
-subclasses and messages.
+Requests are validated once, at the edge: `validate_request` turns raw input (ids,
+a dict or `SamplingParams`) into an `EngineRequest` checked against the engine's
+limits, and everything inward takes that type and trusts it (`submit`, `enqueue`).
+The edge is `RolloutServer` (in-process and HTTP callers) or, for callers without a
+server, the raw-argument `generate` / `add_request`; each validates and goes on with
+the typed request. Every backend so refuses the same bad requests with the same
+`ValueError` subclasses and messages.
 """
 
 from __future__ import annotations
