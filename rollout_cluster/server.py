@@ -6,7 +6,9 @@ adds nothing to generation itself; it:
 - hosts one `AsyncGenerateEngine` (the embedded engine behind `AsyncEngine`, or the
   vLLM adapter), built from the rollout config by `build_engine`;
 - refuses bad requests up front with `RequestError` subclasses (ValueErrors whose
-  message names the broken limit), the same for in-process and HTTP callers;
+  message names the broken limit), the same for in-process and HTTP callers: this
+  is the one place a request is validated; the engine gets an `EngineRequest` and
+  trusts it;
 - keeps a metrics dict (engine counters, queue depth, KV usage, HTTP counters);
 - serves the OpenAI-compatible API (`rollout_cluster.http_api`) when asked,
   on 127.0.0.1 by default, optionally behind a bearer token.
@@ -29,9 +31,9 @@ from areal_like.core.config import EmbeddedEngineConfig, VLLMEngineConfig
 from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine.base import (
     AsyncGenerateEngine,
+    EngineRequest,
     InterruptMode,
     NamedTensors,
-    coerce_sampling_params,
     validate_request,
 )
 
@@ -158,22 +160,26 @@ class RolloutServer:
         return self.engine.max_seq_len
 
     def check_request(
-        self, request_id: str, prompt_ids: Any, sampling_params: SamplingParams | Mapping[str, Any] | None
-    ) -> tuple[list[int], SamplingParams]:
-        """Validate without running: the errors `generate` would raise, raised now."""
+        self,
+        request_id: str,
+        prompt_ids: Any,
+        sampling_params: SamplingParams | Mapping[str, Any] | None,
+        *,
+        allow_n: bool = False,
+    ) -> EngineRequest:
+        """Validate against the engine's limits without running; counts refusals."""
         try:
-            params = coerce_sampling_params(sampling_params)
-            ids = validate_request(
+            return validate_request(
                 request_id,
                 prompt_ids,
-                params,
+                sampling_params,
                 max_seq_len=self.engine.max_seq_len,
                 vocab_size=self.engine.vocab_size,
+                allow_n=allow_n,
             )
         except ValueError:
             self.counters["requests_refused"] += 1
             raise
-        return ids, params
 
     async def generate(
         self,
@@ -183,8 +189,7 @@ class RolloutServer:
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
     ) -> GenerateResult:
         """One response (token ids, behaviour logprobs, per-token versions, stop reason)."""
-        ids, params = self.check_request(request_id, prompt_ids, sampling_params)
-        return await self.engine.generate(request_id=request_id, prompt_ids=ids, sampling_params=params)
+        return await self.engine.submit(self.check_request(request_id, prompt_ids, sampling_params))
 
     async def generate_n(
         self,
@@ -193,20 +198,12 @@ class RolloutServer:
         prompt_ids: list[int],
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
     ) -> list[GenerateResult]:
-        """`sampling_params.n` responses for one prompt, ids `"{request_id}:{i}"`."""
-        ids, params = self.check_request(request_id, prompt_ids, sampling_params)
-        gen_n = getattr(self.engine, "generate_n", None)
-        if gen_n is not None:
-            return await gen_n(request_id=request_id, prompt_ids=ids, sampling_params=params)
-        one = params.model_copy(update={"n": 1})
-        return list(
-            await asyncio.gather(
-                *(
-                    self.engine.generate(request_id=f"{request_id}:{i}", prompt_ids=ids, sampling_params=one)
-                    for i in range(params.n)
-                )
-            )
-        )
+        """`sampling_params.n` responses for one prompt, ids `"{request_id}:{i}"`.
+
+        Submitted together, so the embedded engine prefills the shared prompt once.
+        """
+        request = self.check_request(request_id, prompt_ids, sampling_params, allow_n=True)
+        return list(await asyncio.gather(*(self.engine.submit(r) for r in request.samples())))
 
     async def abort(self, request_ids: Iterable[str]) -> list[GenerateResult]:
         return await self.engine.abort(request_ids)

@@ -1,7 +1,7 @@
 """Rollout engines: the step-based `Engine` contract, the embedded engine, the asyncio
 driver, and (imported lazily) the vLLM adapter. See `base.py` for the contract."""
 
-from rollout_cluster.engine.async_engine import AsyncEngine
+from rollout_cluster.engine.async_engine import AsyncEngine, EngineCommand
 from rollout_cluster.engine.base import (
     INTERRUPT_MODES,
     AsyncGenerateEngine,
@@ -9,11 +9,13 @@ from rollout_cluster.engine.base import (
     Engine,
     EngineClosedError,
     EngineCounters,
+    EngineRequest,
     InterruptMode,
     InvalidSamplingParamsError,
     PromptTooLongError,
     RequestError,
     RequestOutput,
+    validate_request,
 )
 from rollout_cluster.engine.embedded import EmbeddedEngine
 
@@ -25,10 +27,13 @@ __all__ = [
     "EmbeddedEngine",
     "Engine",
     "EngineClosedError",
+    "EngineCommand",
     "EngineCounters",
+    "EngineRequest",
     "InterruptMode",
     "InvalidSamplingParamsError",
     "PromptTooLongError",
     "RequestError",
     "RequestOutput",
+    "validate_request",
 ]

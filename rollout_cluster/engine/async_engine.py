@@ -6,8 +6,9 @@ stays responsive while decoding runs; and the engine is only ever touched from o
 thread, so it needs no locking of its own. Works the same in-process (tests,
 one-machine runs) and inside a Ray async actor (construct it in the actor).
 
-Callers talk to the thread through a command queue. Commands are handled between
-steps, in arrival order, which is what makes the weight update protocol hold:
+Callers talk to the thread through a command queue of `EngineCommand`s. Commands
+are handled between steps, in arrival order, which is what makes the weight update
+protocol hold:
 
 - `update_weights` runs `engine.update_weights` between two steps; generate calls
   that arrive meanwhile sit in the queue and are admitted after it (none is lost);
@@ -19,30 +20,54 @@ steps, in arrival order, which is what makes the weight update protocol hold:
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine.base import (
     DuplicateRequestError,
     Engine,
     EngineClosedError,
-    InvalidSamplingParamsError,
+    EngineRequest,
     NamedTensors,
     RequestOutput,
-    coerce_sampling_params,
     validate_request,
 )
-from rollout_cluster.engine.sampling import mix_seed
 
-__all__ = ["AsyncEngine"]
+__all__ = ["AsyncEngine", "EngineCommand"]
 
 logger = logging.getLogger(__name__)
 
 _Future = tuple[asyncio.AbstractEventLoop, asyncio.Future]
+
+
+class EngineCommand(enum.Enum):
+    """What a caller asks of the engine thread; the payload each one carries."""
+
+    ADD = enum.auto()
+    """`EngineRequest`: queue it (its future is the caller's waiter, not the reply)."""
+    UPDATE_WEIGHTS = enum.auto()
+    """`(NamedTensors, version)`: run the engine's interrupt protocol."""
+    ABORT = enum.auto()
+    """`list[str]` of request ids; replies with their partial results."""
+    PAUSE = enum.auto()
+    """No payload: stop stepping (state kept)."""
+    RESUME = enum.auto()
+    """No payload: undo `PAUSE`."""
+    CALL = enum.auto()
+    """`Callable[[Engine], Any]`, run on the engine thread; replies with its value."""
+    STOP = enum.auto()
+    """No payload: fail every waiter and end the thread (`close`)."""
+
+
+class _Command(NamedTuple):
+    kind: EngineCommand
+    payload: Any
+    reply: _Future | None
 
 
 def _resolve(fut: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -62,7 +87,7 @@ class AsyncEngine:
         self.max_seq_len = engine.max_seq_len
         self.vocab_size = engine.vocab_size
         self._cond = threading.Condition()
-        self._commands: deque[tuple[str, tuple[Any, ...], _Future | None]] = deque()
+        self._commands: deque[_Command] = deque()
         self._waiters: dict[str, _Future] = {}
         self._snapshot: dict[str, float] = engine.metrics()
         self._updating = False
@@ -81,6 +106,26 @@ class AsyncEngine:
     def interrupt_mode(self) -> str:
         return self.engine.interrupt_mode
 
+    async def submit(self, request: EngineRequest) -> GenerateResult:
+        """Generate one response for a validated request; returns once, even across
+        weight updates. Raises `DuplicateRequestError` if its id is in flight."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        rid = request.request_id
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            if rid in self._waiters:
+                raise DuplicateRequestError(f"request id {rid!r} is already in flight")
+            self._waiters[rid] = (loop, fut)
+            self._commands.append(_Command(EngineCommand.ADD, request, None))
+            self._cond.notify()
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self._submit_nowait(EngineCommand.ABORT, [rid])
+            raise
+
     async def generate(
         self,
         *,
@@ -88,33 +133,14 @@ class AsyncEngine:
         prompt_ids: list[int],
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
     ) -> GenerateResult:
-        """Generate one response; returns once, even across weight updates.
+        """`submit` from raw arguments, validated here (callers without a server).
 
         Bad requests raise a `RequestError` (a `ValueError`) here, before queueing.
         """
-        params = coerce_sampling_params(sampling_params)
-        if params.n != 1:
-            raise InvalidSamplingParamsError(
-                f"request {request_id}: generate returns one sample (n={params.n}); use generate_n"
-            )
-        ids = validate_request(
-            request_id, prompt_ids, params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+        request = validate_request(
+            request_id, prompt_ids, sampling_params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
         )
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        with self._cond:
-            if self._closed:
-                raise EngineClosedError("the engine is closed")
-            if request_id in self._waiters:
-                raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-            self._waiters[request_id] = (loop, fut)
-            self._commands.append(("add", (request_id, ids, params), None))
-            self._cond.notify()
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            self._submit_nowait("abort", ([request_id],))
-            raise
+        return await self.submit(request)
 
     async def generate_n(
         self,
@@ -126,21 +152,17 @@ class AsyncEngine:
         """`n` samples of one prompt (ids `"{request_id}:{i}"`), sharing the prompt's prefill.
 
         Sample i uses seed `mix_seed(seed, i + 1)` when a seed is given, so the n
-        samples differ but are reproducible.
+        samples differ but are reproducible (`EngineRequest.samples`).
         """
-        params = coerce_sampling_params(sampling_params)
-        one = params.model_copy(update={"n": 1})
-        calls = []
-        for i in range(params.n):
-            seed = None if params.seed is None else mix_seed(params.seed, i + 1)
-            calls.append(
-                self.generate(
-                    request_id=f"{request_id}:{i}",
-                    prompt_ids=prompt_ids,
-                    sampling_params=one.model_copy(update={"seed": seed}),
-                )
-            )
-        return list(await asyncio.gather(*calls))
+        request = validate_request(
+            request_id,
+            prompt_ids,
+            sampling_params,
+            max_seq_len=self.max_seq_len,
+            vocab_size=self.vocab_size,
+            allow_n=True,
+        )
+        return list(await asyncio.gather(*(self.submit(r) for r in request.samples())))
 
     async def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Run the engine's interrupt protocol between two steps; returns when loaded.
@@ -148,22 +170,22 @@ class AsyncEngine:
         Callable while generate calls are in flight; those return later with tokens
         of both versions (or, in `wait` mode, finish on the old version first).
         """
-        await self._submit("update", (named_tensors, version))
+        await self._submit(EngineCommand.UPDATE_WEIGHTS, (named_tensors, version))
 
     async def abort(self, request_ids: Iterable[str]) -> list[GenerateResult]:
         """Abort requests; their `generate` calls return the partial response (`abort`)."""
-        return await self._submit("abort", (list(request_ids),))
+        return await self._submit(EngineCommand.ABORT, list(request_ids))
 
     async def pause(self) -> None:
         """Stop stepping (state kept); new requests queue up until `resume`."""
-        await self._submit("pause", ())
+        await self._submit(EngineCommand.PAUSE, None)
 
     async def resume(self) -> None:
-        await self._submit("resume", ())
+        await self._submit(EngineCommand.RESUME, None)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps (tests, admin)."""
-        return await self._submit("call", (fn,))
+        return await self._submit(EngineCommand.CALL, fn)
 
     def metrics(self) -> dict[str, float]:
         """Engine counters and gauges as of the last step boundary.
@@ -182,26 +204,26 @@ class AsyncEngine:
             if self._closed:
                 return
             self._closed = True
-            self._commands.append(("stop", (), None))
+            self._commands.append(_Command(EngineCommand.STOP, None, None))
             self._cond.notify()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     # ---- engine thread ----------------------------------------------------------------
 
-    async def _submit(self, kind: str, args: tuple[Any, ...]) -> Any:
+    async def _submit(self, kind: EngineCommand, payload: Any) -> Any:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         with self._cond:
             if self._closed:
                 raise EngineClosedError("the engine is closed")
-            self._commands.append((kind, args, (loop, fut)))
+            self._commands.append(_Command(kind, payload, (loop, fut)))
             self._cond.notify()
         return await fut
 
-    def _submit_nowait(self, kind: str, args: tuple[Any, ...]) -> None:
+    def _submit_nowait(self, kind: EngineCommand, payload: Any) -> None:
         with self._cond:
             if not self._closed:
-                self._commands.append((kind, args, None))
+                self._commands.append(_Command(kind, payload, None))
                 self._cond.notify()
 
     def _run(self) -> None:
@@ -211,11 +233,11 @@ class AsyncEngine:
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
-            for kind, args, reply in commands:
-                if kind == "stop":
+            for command in commands:
+                if command.kind is EngineCommand.STOP:
                     self._fail_all(EngineClosedError("the engine was closed"))
                     return
-                self._handle(kind, args, reply)
+                self._handle(command)
             if self._paused or not self.engine.has_unfinished():
                 continue
             try:
@@ -227,40 +249,49 @@ class AsyncEngine:
             self._snapshot = self.engine.metrics()
             self._deliver(outs)
 
-    def _handle(self, kind: str, args: tuple[Any, ...], reply: _Future | None) -> None:
+    def _handle(self, command: _Command) -> None:
+        """Run one command on the engine thread and answer its reply future, if any."""
         value: Any = None
         error: BaseException | None = None
         try:
-            if kind == "add":
-                self.engine.add_request(*args)
-            elif kind == "update":
-                self._updating = True
-                try:
-                    self._deliver(self.engine.update_weights(*args))
-                finally:
-                    self._updating = False
-            elif kind == "abort":
-                value = self.engine.abort(args[0])
-                for res in value:
-                    self._finish(res.request_id, res, None)
-            elif kind == "pause":
-                self._paused = True
-            elif kind == "resume":
-                self._paused = False
-            elif kind == "call":
-                value = args[0](self.engine)
-            else:
-                raise ValueError(f"unknown engine command {kind!r}")
+            value = self._dispatch(command.kind, command.payload)
             self._snapshot = self.engine.metrics()
         except Exception as e:
-            if kind == "add":
-                self._finish(args[0], None, e)
-            elif reply is None:
-                logger.exception("engine command %s failed", kind)
+            if command.kind is EngineCommand.ADD:
+                self._finish(command.payload.request_id, None, e)
+            elif command.reply is None:
+                logger.exception("engine command %s failed", command.kind.name)
             error = e
-        if reply is not None:
-            loop, fut = reply
+        if command.reply is not None:
+            loop, fut = command.reply
             loop.call_soon_threadsafe(_resolve, fut, value, error)
+
+    def _dispatch(self, kind: EngineCommand, payload: Any) -> Any:
+        """One handler per `EngineCommand`; returns the reply value."""
+        match kind:
+            case EngineCommand.ADD:
+                self.engine.enqueue(payload)
+            case EngineCommand.UPDATE_WEIGHTS:
+                named_tensors, version = payload
+                self._updating = True
+                try:
+                    self._deliver(self.engine.update_weights(named_tensors, version))
+                finally:
+                    self._updating = False
+            case EngineCommand.ABORT:
+                results = self.engine.abort(payload)
+                for res in results:
+                    self._finish(res.request_id, res, None)
+                return results
+            case EngineCommand.PAUSE:
+                self._paused = True
+            case EngineCommand.RESUME:
+                self._paused = False
+            case EngineCommand.CALL:
+                return payload(self.engine)
+            case EngineCommand.STOP:  # `_run` ends the thread on it before dispatching
+                raise AssertionError("STOP is handled by the engine loop")
+        return None
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:

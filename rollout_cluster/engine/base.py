@@ -2,20 +2,26 @@
 
 Two levels, in the spirit of vLLM v1 (`EngineCore.step` driven by a client):
 
-- `Engine` is synchronous and step-driven: `add_request`, `step() -> outputs`,
-  `abort`, `pause`/`resume`, `load_weights`, and `update_weights`, which owns the
-  whole interrupt protocol of docs/design.md §9.1 (stop at a step boundary, keep every
-  sampled token with its logprob and version, free all KV computed with old weights,
-  prefix cache included, load, set the version, re-prefill prompt + partial, go on).
-  The embedded engine implements it; tests drive it directly, one step at a time.
-- `AsyncGenerateEngine` is what a `RolloutServer` hosts: `async generate(...)`
-  returning one `GenerateResult` per call (even across weight updates),
-  `async update_weights(...)`, `abort`, `version`, `metrics`. `AsyncEngine` turns any
-  `Engine` into one by driving `step()` on a background thread; the vLLM adapter is
-  one natively (AsyncLLM is already async).
+- `Engine` is synchronous and step-driven: `enqueue` (or `add_request` from raw
+  arguments), `step() -> outputs`, `abort`, `pause`/`resume`, `load_weights`, and
+  `update_weights`, which owns the whole interrupt protocol of docs/design.md §9.1
+  (stop at a step boundary, keep every sampled token with its logprob and version,
+  free all KV computed with old weights, prefix cache included, load, set the
+  version, re-prefill prompt + partial, go on). The embedded engine implements it;
+  tests drive it directly, one step at a time.
+- `AsyncGenerateEngine` is what a `RolloutServer` hosts: `async submit(request)`
+  (or `generate(...)` from raw arguments) returning one `GenerateResult` per call
+  (even across weight updates), `async update_weights(...)`, `abort`, `version`,
+  `metrics`. `AsyncEngine` turns any `Engine` into one by driving `step()` on a
+  background thread; the vLLM adapter is one natively (AsyncLLM is already async).
 
-Request validation lives here too, so every backend refuses the same bad requests
-with the same `ValueError` subclasses and messages.
+Requests are validated once, at the edge: `validate_request` turns raw input (ids,
+a dict or `SamplingParams`) into an `EngineRequest` checked against the engine's
+limits, and everything inward takes that type and trusts it (`submit`, `enqueue`).
+The edge is `RolloutServer` (in-process and HTTP callers) or, for callers without a
+server, the raw-argument `generate` / `add_request`; each validates and goes on with
+the typed request. Every backend so refuses the same bad requests with the same
+`ValueError` subclasses and messages.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ __all__ = [
     "Engine",
     "AsyncGenerateEngine",
     "NamedTensors",
+    "EngineRequest",
     "coerce_sampling_params",
     "validate_request",
 ]
@@ -150,24 +157,61 @@ def coerce_sampling_params(sampling_params: SamplingParams | Mapping[str, Any] |
         raise InvalidSamplingParamsError("invalid sampling_params: " + "; ".join(parts)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A generate request that passed `validate_request` for one engine's limits.
+
+    The only form layers behind the edge accept; they trust it and do not check
+    again (an engine keeps at most cheap asserts of its own invariants).
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+    def samples(self) -> list[EngineRequest]:
+        """The n one-sample requests of this one: ids `"{request_id}:{i}"`, and when a
+        seed is given, seeds `mix_seed(seed, i + 1)` (different but reproducible)."""
+        from rollout_cluster.engine.sampling import mix_seed
+
+        one = self.params.model_copy(update={"n": 1})
+        return [
+            EngineRequest(
+                f"{self.request_id}:{i}",
+                self.prompt_ids,
+                one if one.seed is None else one.model_copy(update={"seed": mix_seed(one.seed, i + 1)}),
+            )
+            for i in range(self.params.n)
+        ]
+
+
 def validate_request(
-    request_id: str,
+    request_id: Any,
     prompt_ids: Any,
-    sampling_params: SamplingParams,
+    sampling_params: SamplingParams | Mapping[str, Any] | None,
     *,
     max_seq_len: int,
     vocab_size: int,
-) -> list[int]:
-    """Check one request against the engine's limits; return the prompt as a list of ints.
+    allow_n: bool = False,
+) -> EngineRequest:
+    """Check one raw request against an engine's limits; the one validation it gets.
 
     A prompt must leave room for at least one generated token: `len(prompt) <
     max_seq_len`. A request asking for more tokens than remain is not refused; it
     stops with `length` at `max_seq_len` (as vLLM does with `max_model_len`).
+    `allow_n` admits `n > 1` (split later with `EngineRequest.samples`); a call
+    that returns one result refuses it.
     """
+    params = coerce_sampling_params(sampling_params)
     if not isinstance(request_id, str) or not request_id:
         raise RequestError("request_id must be a non-empty string")
+    if params.n != 1 and not allow_n:
+        raise InvalidSamplingParamsError(
+            f"request {request_id}: n={params.n}, but this call returns one sample (n=1); "
+            "use generate_n for n samples of one prompt"
+        )
     try:
-        ids = [int(t) for t in prompt_ids]
+        ids = tuple(int(t) for t in prompt_ids)
     except (TypeError, ValueError):
         raise RequestError("prompt_ids must be a list of integer token ids") from None
     if not ids:
@@ -183,12 +227,12 @@ def validate_request(
         raise RequestError(
             f"request {request_id}: token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
-    bad_stop = [t for t in sampling_params.stop_token_ids if not 0 <= t < vocab_size]
+    bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad_stop:
         raise InvalidSamplingParamsError(
             f"request {request_id}: stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab_size})"
         )
-    return ids
+    return EngineRequest(request_id, ids, params)
 
 
 class Engine(abc.ABC):
@@ -209,9 +253,25 @@ class Engine(abc.ABC):
     def version(self) -> int:
         """The weight version the next sampled token will carry."""
 
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+    ) -> None:
+        """Validate a raw request and queue it (the edge for callers that drive steps)."""
+        self.enqueue(
+            validate_request(
+                request_id, prompt_ids, sampling_params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+            )
+        )
+
     @abc.abstractmethod
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams) -> None:
-        """Queue a request; it joins the running batch at a later step. Validates first."""
+    def enqueue(self, request: EngineRequest) -> None:
+        """Queue a validated request; it joins the running batch at a later step.
+
+        Raises `DuplicateRequestError` if its id is in flight (engine state, which
+        no edge can check for it)."""
 
     @abc.abstractmethod
     def step(self) -> list[RequestOutput]:
@@ -264,13 +324,19 @@ class AsyncGenerateEngine(Protocol):
     @property
     def version(self) -> int: ...
 
+    async def submit(self, request: EngineRequest) -> GenerateResult:
+        """Generate one response for a request validated at the edge (n == 1)."""
+        ...
+
     async def generate(
         self,
         *,
         request_id: str,
         prompt_ids: list[int],
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-    ) -> GenerateResult: ...
+    ) -> GenerateResult:
+        """Validate raw arguments, then `submit` (for callers without a server)."""
+        ...
 
     async def update_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
 

@@ -64,10 +64,10 @@ from rollout_cluster.engine.base import (
     DuplicateRequestError,
     EngineClosedError,
     EngineCounters,
+    EngineRequest,
     InterruptMode,
     InvalidSamplingParamsError,
     NamedTensors,
-    coerce_sampling_params,
     finished_result,
     validate_request,
 )
@@ -383,6 +383,27 @@ class VLLMEngine:
     def version(self) -> int:
         return self._version
 
+    async def submit(self, request: EngineRequest) -> GenerateResult:
+        """One response for a validated request; on a weight update the request is
+        aborted and resubmitted with prompt + partial, and this call still returns once."""
+        rid = request.request_id
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        if rid in self._calls:
+            raise DuplicateRequestError(f"request id {rid!r} is already in flight")
+        call = _Call(rid, list(request.prompt_ids), request.params, request.params.seed)
+        self._calls[rid] = call
+        self.counters.prompt_tokens += len(call.prompt_ids)
+        try:
+            reason = await self._run(call)
+        finally:
+            self._calls.pop(rid, None)
+        if reason == "abort":
+            self.counters.requests_aborted += 1
+        else:
+            self.counters.requests_finished += 1
+        return finished_result(rid, call.tokens, call.logprobs, call.versions, reason, call.interrupts)
+
     async def generate(
         self,
         *,
@@ -390,30 +411,11 @@ class VLLMEngine:
         prompt_ids: list[int],
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
     ) -> GenerateResult:
-        """One response; on a weight update the request is aborted and resubmitted with
-        prompt + partial, and this call still returns once."""
-        params = coerce_sampling_params(sampling_params)
-        if params.n != 1:
-            raise InvalidSamplingParamsError(f"request {request_id}: generate returns one sample; use n=1")
-        ids = validate_request(
-            request_id, prompt_ids, params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+        """`submit` from raw arguments, validated here (callers without a server)."""
+        request = validate_request(
+            request_id, prompt_ids, sampling_params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
         )
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
-        if request_id in self._calls:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        call = _Call(request_id, ids, params, params.seed)
-        self._calls[request_id] = call
-        self.counters.prompt_tokens += len(ids)
-        try:
-            reason = await self._run(call)
-        finally:
-            self._calls.pop(request_id, None)
-        if reason == "abort":
-            self.counters.requests_aborted += 1
-        else:
-            self.counters.requests_finished += 1
-        return finished_result(request_id, call.tokens, call.logprobs, call.versions, reason, call.interrupts)
+        return await self.submit(request)
 
     async def _run(self, call: _Call) -> StopReason:
         while True:

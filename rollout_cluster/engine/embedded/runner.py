@@ -1,0 +1,317 @@
+"""The model runner: the decoder math over the HF module's own weights, and sampling.
+
+Why not `model.generate()`: it pads a batch to its longest response, cannot admit
+new requests mid-flight, and cannot be interrupted for a weight update. Why not the
+HF forward with a `DynamicCache`: per-step Python overhead (mask construction, cache
+objects) dominates a small model on CPU. So the runner computes the decoder itself
+(Qwen2 / Qwen3 / Llama / Mistral layer math, numerically the HF computation) over the
+HF module's parameters, which keeps weight loading a plain copy by HF name.
+
+This is the only part that touches the model's tensors: packed weights, rotary
+tables, the forward pass over `KVSlots`, executing a `PrefillPlan`, the sampling
+call, and staging / applying new weights. It keeps no per-request state and knows
+nothing of queues or versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rollout_cluster.engine.base import NamedTensors
+from rollout_cluster.engine.embedded.cache import KVSlots
+from rollout_cluster.engine.embedded.scheduler import PrefillPlan, Seq
+from rollout_cluster.engine.sampling import SamplingBatch, sample_tokens
+
+__all__ = ["ModelRunner", "SUPPORTED_MODEL_TYPES", "Staged"]
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+Staged = list[tuple[torch.Tensor, torch.Tensor]]
+"""(destination parameter, checked copy of the incoming tensor) pairs."""
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF's Qwen2RMSNorm / LlamaRMSNorm, so fp32 results match bit for bit.
+    var = x.pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(var + eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "silu":
+        return F.silu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def _load_model(model: str | Path | torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    if isinstance(model, torch.nn.Module):
+        m = model
+    else:
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+    m = m.to(dtype).eval()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+@dataclass(eq=False)
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    w_gu: torch.Tensor
+    b_gu: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class ModelRunner:
+    """An HF causal LM (one of `SUPPORTED_MODEL_TYPES`), run by our own decoder loop."""
+
+    def __init__(
+        self, model: str | Path | torch.nn.Module, *, max_seq_len: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.model = _load_model(model, dtype).to(device)
+        hf = self.model.config
+        model_type = getattr(hf, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"EmbeddedEngine supports model types {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
+                "use the vLLM engine for other architectures"
+            )
+        if "sliding_attention" in (getattr(hf, "layer_types", None) or []):
+            raise ValueError("EmbeddedEngine does not implement sliding-window attention layers")
+        if hf.max_position_embeddings < max_seq_len:
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                f"{hf.max_position_embeddings}"
+            )
+        self.vocab_size = int(hf.vocab_size)
+        self.n_layers = len(self.model.model.layers)
+        self.n_heads = hf.num_attention_heads
+        self.n_kv = getattr(hf, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.n_heads
+        self._eps = float(hf.rms_norm_eps)
+        self._act = _activation(hf.hidden_act)
+        self._scale = float(self.model.model.layers[0].self_attn.scaling)
+        self._state = self.model.state_dict()
+        self._layers: list[_Layer] = []
+        self._pack()
+        with torch.inference_mode():
+            positions = torch.arange(max_seq_len, device=device)[None]
+            probe = torch.zeros(1, device=device, dtype=dtype)
+            cos, sin = self.model.model.rotary_emb(probe, positions)
+        self._cos, self._sin = cos[0], sin[0]  # [max_seq_len, head_dim]
+
+    def eos_token_ids(self) -> list[int]:
+        """The model's own stop tokens (generation config first, then model config)."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def new_kv(self, slots: int, max_seq_len: int) -> KVSlots:
+        return KVSlots(
+            self.n_layers, slots, self.n_kv, max_seq_len, self.head_dim, dtype=self.dtype, device=self.device
+        )
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def _pack(self) -> None:
+        """Fuse q/k/v and gate/up projections into single matmuls.
+
+        Packed tensors are copies, so they must be rebuilt after every weight load
+        (the same trap vLLM's packed linears set for a plain `load_state_dict`).
+        """
+        layers = []
+        for layer in self.model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            b_qkv = torch.cat(biases) if all(b is not None for b in biases) else None
+            b_gu = None
+            if mlp.gate_proj.bias is not None and mlp.up_proj.bias is not None:
+                b_gu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            layers.append(
+                _Layer(
+                    ln1=layer.input_layernorm.weight,
+                    ln2=layer.post_attention_layernorm.weight,
+                    w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    b_qkv=b_qkv,
+                    w_o=a.o_proj.weight,
+                    b_o=a.o_proj.bias,
+                    w_gu=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    b_gu=b_gu,
+                    w_down=mlp.down_proj.weight,
+                    b_down=mlp.down_proj.bias,
+                    q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                    k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                )
+            )
+        self._layers = layers
+        self._embed = self.model.model.embed_tokens.weight
+        self._norm = self.model.model.norm.weight
+        self._lm_head = self.model.lm_head.weight
+
+    def stage(self, named_tensors: NamedTensors) -> Staged:
+        """Check names and shapes and copy the incoming tensors; raises before any change.
+
+        Copying at once matters: weight-sync receivers may reuse their buffers between
+        buckets. Tied embeddings stay tied: `lm_head.weight` and
+        `model.embed_tokens.weight` are the same storage, whichever name arrives.
+        """
+        staged: Staged = []
+        for name, tensor in named_tensors:
+            dst = self._state.get(name)
+            if dst is None:
+                raise KeyError(f"load_weights: unknown weight {name!r} for {type(self.model).__name__}")
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            staged.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype, copy=True)))
+        return staged
+
+    def apply(self, staged: Staged) -> None:
+        """Copy staged tensors into the model and re-pack; cannot fail halfway on a bad name."""
+        with torch.no_grad():
+            for dst, src in staged:
+                dst.copy_(src)
+        self._pack()
+
+    # ---- compute ------------------------------------------------------------------------
+
+    def forward(self, kv: KVSlots, slot0: int, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run token chunks for slots `slot0..slot0+N-1`, chunk i starting at position `starts[i]`.
+
+        Writes their K/V into `kv` and returns each chunk's last-position logits
+        [N, V]. Tokens stay packed ([M, hidden], no padding) through embeddings, norms,
+        projections and the MLP; only attention works on a padded [N, Q] grid. A decode
+        step is the case of N chunks of one token, where packed and padded coincide.
+        """
+        n = len(chunks)
+        dev = self.device
+        qlens = [len(c) for c in chunks]
+        q = max(qlens)
+        total = max(st + ql for st, ql in zip(starts, qlens, strict=True))
+        decode = q == 1
+        tokens = torch.tensor([t for c in chunks for t in c], device=dev)  # [M]
+        starts_t = torch.tensor(starts, device=dev)
+        if decode:
+            seq = torch.arange(n, device=dev)
+            pos = starts_t
+            grid_pos = pos[:, None]  # [N, 1]
+            grid = None
+        else:
+            qlens_t = torch.tensor(qlens, device=dev)
+            seq = torch.repeat_interleave(torch.arange(n, device=dev), qlens_t)  # [M]
+            first = torch.cumsum(qlens_t, 0) - qlens_t
+            offs = torch.arange(tokens.numel(), device=dev) - first[seq]
+            pos = starts_t[seq] + offs  # [M]
+            grid = seq * q + offs  # where each packed token sits in the padded [N, Q] grid
+            grid_pos = starts_t[:, None] + torch.arange(q, device=dev)[None, :]  # padded rows see junk only
+        cos = self._cos[pos].unsqueeze(1)  # [M, 1, D]
+        sin = self._sin[pos].unsqueeze(1)
+        keymask = torch.arange(total, device=dev)[None, None, :] <= grid_pos[:, :, None]  # [N, Q, T]
+        bias = torch.zeros(keymask.shape, dtype=cos.dtype, device=dev).masked_fill_(~keymask, float("-inf"))
+        bias = bias[:, None, None]  # [N, 1, 1, Q, T]
+        rows = seq + slot0
+        hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        rep = hq // hkv
+        m = tokens.numel()
+        h = F.embedding(tokens, self._embed)  # [M, hidden]
+        for li, L in enumerate(self._layers):
+            x = _rms(h, L.ln1, self._eps)
+            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            qs, ks, vs = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            qs = qs.view(m, hq, d)
+            ks = ks.view(m, hkv, d)
+            if L.q_norm is not None and L.k_norm is not None:
+                qs = _rms(qs, L.q_norm, self._eps)
+                ks = _rms(ks, L.k_norm, self._eps)
+            qs = _rotate(qs, cos, sin)
+            ks = _rotate(ks, cos, sin)
+            kc, vc = kv.k[li], kv.v[li]
+            kc[rows, :, pos] = ks
+            vc[rows, :, pos] = vs.view(m, hkv, d)
+            keys = kc[slot0 : slot0 + n, :, :total]  # [N, Hkv, T, D]
+            vals = vc[slot0 : slot0 + n, :, :total]
+            if grid is not None:
+                padded = qs.new_zeros(n * q, hq, d)
+                padded[grid] = qs
+                qs = padded
+            qg = qs.view(n, q, hq, d).transpose(1, 2).reshape(n, hkv, rep * q, d)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self._scale)
+            scores = scores.view(n, hkv, rep, q, total).add_(bias)
+            probs = torch.softmax(scores, dim=-1).view(n, hkv, rep * q, total)
+            attn = torch.matmul(probs, vals).view(n, hq, q, d).transpose(1, 2).reshape(n * q, hq * d)
+            if grid is not None:
+                attn = attn[grid]
+            h = h + F.linear(attn, L.w_o, L.b_o)
+            x = _rms(h, L.ln2, self._eps)
+            gate, up = F.linear(x, L.w_gu, L.b_gu).chunk(2, dim=-1)
+            h = h + F.linear(self._act(gate) * up, L.w_down, L.b_down)
+        if not decode:
+            h = h[torch.cumsum(torch.tensor(qlens, device=dev), 0) - 1]
+        return F.linear(_rms(h, self._norm, self._eps), self._lm_head)
+
+    def decode(self, kv: KVSlots, running: list[Seq]) -> torch.Tensor:
+        """One token for every running sequence (slots 0..B-1): logits [B, V]."""
+        return self.forward(kv, 0, [[s.ids[-1]] for s in running], [s.num_computed for s in running])
+
+    def prefill(self, kv: KVSlots, plan: PrefillPlan) -> torch.Tensor:
+        """Give every sequence of the plan its KV; return last-position logits in `plan.order`.
+
+        Cached prefixes are copied in first, then the computed sequences run in one
+        padded batch; exact hits only copy; duplicates copy their leader's slot.
+        """
+        logits_of: dict[int, torch.Tensor] = {}
+        if plan.compute:
+            for s, entry, n in plan.compute:
+                if entry is not None:
+                    kv.load(plan.slot[id(s)], entry, n)
+            chunks = [s.ids[n:] for s, _, n in plan.compute]
+            logits = self.forward(kv, plan.base, chunks, [n for _, _, n in plan.compute])
+            for i, (s, _, _) in enumerate(plan.compute):
+                logits_of[id(s)] = logits[i]
+        for s, entry in plan.exact:
+            assert entry.logits is not None
+            kv.load(plan.slot[id(s)], entry, len(s.ids))
+            logits_of[id(s)] = entry.logits
+        for s, lead in plan.copies:
+            kv.move(plan.slot[id(s)], plan.slot[id(lead)], len(s.ids))
+            logits_of[id(s)] = logits_of[id(lead)]
+        return torch.stack([logits_of[id(s)] for s in plan.order])
+
+    def sample(self, seqs: list[Seq], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """One token per row with its behaviour logprob; randomness from (seed, position)."""
+        batch = SamplingBatch(
+            temperature=[s.params.temperature for s in seqs],
+            top_k=[s.params.top_k for s in seqs],
+            top_p=[s.params.top_p for s in seqs],
+            seeds=[s.stream for s in seqs],
+            positions=[len(s.ids) for s in seqs],
+            device=self.device,
+        )
+        tokens, logps = sample_tokens(logits, batch)
+        return tokens.tolist(), logps.tolist()
