@@ -26,6 +26,7 @@ __all__ = [
     "TrainCost",
     "WeightSyncCost",
     "load_costs",
+    "parse_lengths",
 ]
 
 
@@ -155,6 +156,8 @@ class CostModel(_Strict):
     """Device name, for the report."""
     devices_per_node: int = Field(8, ge=1, le=1024)
     """Devices per node (decides when a broadcast crosses nodes)."""
+    price_per_device_hour: float | None = Field(None, ge=0.0, le=1000.0)
+    """Rental price, for $/step in the plan (the CLI's --price overrides it)."""
     decode: DecodeCost
     train: TrainCost
     weight_sync: WeightSyncCost
@@ -180,3 +183,30 @@ def load_costs(path: str | Path) -> CostModel:
             msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
             lines.append(f"  {loc}: {msg} (got {err.get('input')!r:.80})")
         raise CostFileError("\n".join(lines)) from None
+
+
+def parse_lengths(spec: str) -> LengthDist:
+    """A length distribution from the command line: `lognormal:median=2000,sigma=0.8`,
+    `pareto:alpha=1.2,scale=100,offset=15`, `fixed:mean=512`, `empirical:120,300,2048`;
+    any kind also takes `cap=N`. Errors name the bad part."""
+    kind, _, rest = spec.partition(":")
+    kind = kind.strip()
+    data: dict[str, object] = {"kind": kind}
+    if kind == "empirical":
+        try:
+            data["values"] = [int(x) for x in rest.split(",") if x.strip() and "=" not in x]
+        except ValueError:
+            raise CostFileError(f"--lengths {spec!r}: empirical values must be integers") from None
+        parts = [x for x in rest.split(",") if "=" in x]
+    else:
+        parts = [x for x in rest.split(",") if x.strip()]
+    for part in parts:
+        key, eq, val = part.partition("=")
+        if not eq:
+            raise CostFileError(f"--lengths {spec!r}: expected key=value, got {part!r}")
+        data[key.strip()] = val.strip()
+    try:
+        return LengthDist.model_validate(data)
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or kind}: {err['msg']}" for err in e.errors())
+        raise CostFileError(f"--lengths {spec!r}: {bad}") from None
