@@ -22,6 +22,7 @@ PACKAGES = ("areal_like", "rollout_cluster", "train_cluster", "weight_sync")
 LAYER_OF = [  # longest prefix first
     ("areal_like.orchestration", "orchestration"),
     ("areal_like.api", "orchestration"),
+    ("areal_like.plan", "orchestration"),
     ("areal_like.core", "core"),
     ("areal_like.tasks", "tasks"),
     ("areal_like.models", "models"),

@@ -240,6 +240,77 @@ def report(
     typer.echo(f"plots: {png}")
 
 
+
+# ---- planning: `plan` and `profile` (areal_like.plan; docs/planning.md) ----------------------
+
+
+@app.command("plan")
+def plan_cmd(
+    config: Path = typer.Argument(..., help="Experiment YAML: batch, group size, response_length, η, interrupt mode."),
+    gpus: int = typer.Option(..., "--gpus", min=2, help="Devices to divide between rollout and training."),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes they span (broadcasts cross nodes when > 1)."),
+    costs: Path = typer.Option(None, "--costs", help="Cost file (JSON); default configs/costs/cpu_quickstart.json."),
+    set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE in the config (dotted keys), repeatable."),
+    eta: str = typer.Option("0,1,2,4", help="Comma-separated η values to simulate."),
+    max_staleness: int = typer.Option(None, help="Recommend only η <= this."),
+    lengths: str = typer.Option(None, help="Response lengths, e.g. lognormal:median=2000,sigma=0.8 or pareto:alpha=1.2,scale=100."),
+    price: float = typer.Option(None, help="Price per device-hour: adds $/step."),
+    budget: float = typer.Option(None, help="Largest $/hour (with --price): may use fewer devices."),
+    steps: int = typer.Option(12, min=4, help="Simulated train steps per configuration."),
+    top: int = typer.Option(12, help="Rows to show (fastest first)."),
+    json_out: Path = typer.Option(None, "--json", help="Write every simulated configuration here."),
+) -> None:
+    """Simulate the asynchronous loop for every rollout/train split and η; recommend one."""
+    import json
+
+    from rich.console import Console
+
+    from areal_like.plan.costs import CostFileError, load_costs, parse_lengths
+    from areal_like.plan.planner import default_costs_path, plan
+    from areal_like.plan.render import plan_table
+
+    cfg = _load(config, set_)
+    try:
+        etas = tuple(sorted({int(x) for x in eta.split(",") if x.strip()}))
+        cm = load_costs(costs or default_costs_path())
+        if lengths:
+            cm = cm.model_copy(update={"lengths": parse_lengths(lengths)})
+        rep = plan(cfg, gpus=gpus, costs=cm, etas=etas, nodes=nodes, steps=steps, max_staleness=max_staleness,
+                   price_per_device_hour=price if price is not None else cm.price_per_device_hour,
+                   budget_per_hour=budget)
+    except CostFileError as e:
+        _fail(str(e))
+    except ValueError as e:
+        _fail(str(e))
+    console = Console(width=160)
+    console.print(plan_table(rep, top=top))
+    for line in rep.assumptions:
+        console.print(f"[dim]{line}[/]")
+    if json_out:
+        json_out.write_text(json.dumps({"rows": rep.rows(), "best": rep.best_line(), "assumptions": rep.assumptions},
+                                       indent=1))
+    console.print(rep.best_line(), style="bold", highlight=False)
+
+
+@app.command("profile")
+def profile_cmd(
+    config: Path = typer.Argument(..., help="Experiment YAML (model path, engine and train settings)."),
+    out: Path = typer.Option(..., "--out", help="Cost file to write (JSON)."),
+    set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
+    threads: int = typer.Option(1, help="Torch threads (the quickstart pools use 1)."),
+    quick: bool = typer.Option(False, help="Fewer batch sizes and tokens (~10 s)."),
+) -> None:
+    """Measure decode, prefill, train-step and weight-sync costs here; write a cost file for `plan`."""
+    from areal_like.orchestration.launch import resolve_model_path
+    from areal_like.plan.profile import profile
+
+    cfg = _load(config, set_)
+    model = str(resolve_model_path(cfg))
+    cm = profile(cfg, model, threads=threads, quick=quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(cm.model_dump_json(indent=1) + "\n")
+    typer.echo(f"wrote {out} ({cm.source})")
+
 STOP_GRACE_S = 60.0
 """After Ctrl-C / SIGTERM, the orderly teardown gets this long; then every process this
 command started is killed and it exits 130 anyway (a stop must never hang or leak)."""
