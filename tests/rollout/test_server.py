@@ -53,7 +53,7 @@ def test_openai_pure_translation():
     sp = sampling_from_openai({"model": "m", "max_tokens": 7, "temperature": 0.5, "top_k": 3, "seed": 1})
     assert (sp.max_tokens, sp.temperature, sp.top_k, sp.seed) == (7, 0.5, 3, 1)
     for bad, msg in [
-        ({"stream": True}, "stream"),
+        ({"echo": True}, "echo"),
         ({"stop": ["\n"]}, "stop_token_ids"),
         ({"mystery": 1}, "mystery"),
         ({"max_tokens": 0}, "max_tokens"),
