@@ -54,7 +54,9 @@ class Served:
         self.proc = proc
         self.base_url = base_url
         self.lines = lines
-        self.client = openai.OpenAI(base_url=base_url, api_key="unused-on-loopback", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(
+            base_url=base_url, api_key="unused-on-loopback", max_retries=0, timeout=60
+        )
         self.model = self.client.models.list().data[0].id
 
 
@@ -107,7 +109,9 @@ def test_chat_completion_and_content_parts(served: Served) -> None:
     assert r.usage.completion_tokens == len(choice.token_ids) > 0  # RL extras ride along
     assert len(choice.token_logprobs) == len(choice.versions) == len(choice.token_ids)
     parts = [{"type": "text", "text": "12+"}, {"type": "text", "text": "30="}]
-    p = c.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}], max_tokens=12, seed=1)
+    p = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": parts}], max_tokens=12, seed=1
+    )
     assert p.prompt_token_ids == r.prompt_token_ids  # parts are joined as text, not a Python repr
     assert p.choices[0].message.content == choice.message.content
 
@@ -157,7 +161,12 @@ def test_streaming_equals_the_whole_reply(served: Served) -> None:
     messages = [{"role": "user", "content": "45+17="}]
     whole = c.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=5)
     stream = c.chat.completions.create(
-        model=model, messages=messages, max_tokens=16, seed=5, stream=True, stream_options={"include_usage": True}
+        model=model,
+        messages=messages,
+        max_tokens=16,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     deltas, finish, usage = [], None, None
     for chunk in stream:
@@ -172,17 +181,21 @@ def test_streaming_equals_the_whole_reply(served: Served) -> None:
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
     whole_c = c.completions.create(model=model, prompt="45+17=", max_tokens=10, seed=6)
-    pieces = [ch.choices[0].text for ch in c.completions.create(
-        model=model, prompt="45+17=", max_tokens=10, seed=6, stream=True
-    ) if ch.choices]
+    pieces = [
+        ch.choices[0].text
+        for ch in c.completions.create(model=model, prompt="45+17=", max_tokens=10, seed=6, stream=True)
+        if ch.choices
+    ]
     assert "".join(pieces) == whole_c.choices[0].text
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "type 'image_url' are not supported"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "type 'image_url' are not supported",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, "stop_token_ids"),
@@ -251,7 +264,9 @@ def scripted() -> Iterator[tuple[Any, ScriptedEngine, Any]]:
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [])
     tok = load_tokenizer(QUICKSTART_MODEL)
-    text = 'Let me compute.<tool_call>{"name": "calculator", "arguments": {"expression": "12+30"}}</tool_call>'
+    text = (
+        'Let me compute.<tool_call>{"name": "calculator", "arguments": {"expression": "12+30"}}</tool_call>'
+    )
     engine = ScriptedEngine(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id], len(tok))
     server = RolloutServer(engine, tok, model_name="scripted")
     loop = asyncio.new_event_loop()

@@ -88,7 +88,9 @@ async def start_serving(
     try:
         for i, server in enumerate(servers):
             urls.append(
-                await server.start_http(host, port + i if port else 0, api_key=api_key, tool_parser=tool_parser)
+                await server.start_http(
+                    host, port + i if port else 0, api_key=api_key, tool_parser=tool_parser
+                )
             )
     except BaseException:
         for server in servers:
