@@ -711,8 +711,12 @@ def _error(status: int, message: str, code: str | None = None, param: str | None
 _HTTP_MESSAGES = {
     404: "no such path: {method} {path} (see /v1/models, /v1/completions, /v1/chat/completions)",
     405: "method {method} is not allowed on {path}",
-    413: "request body too large (limit {limit} MiB)",
+    413: "request body too large: the limit is {limit}",
 }
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 class HttpServer:
@@ -814,7 +818,7 @@ class HttpServer:
                 counters["http_errors"] += 1
                 template = _HTTP_MESSAGES.get(e.status, "{reason}")
                 message = template.format(
-                    method=request.method, path=request.path, reason=e.reason, limit=MAX_BODY_BYTES // 2**20
+                    method=request.method, path=request.path, reason=e.reason, limit=_size(MAX_BODY_BYTES)
                 )
                 return _error(e.status, message)
             except ApiError as e:
