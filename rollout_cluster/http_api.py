@@ -69,6 +69,7 @@ __all__ = [
     "completion_response",
     "completion_stream_chunks",
     "error_body",
+    "is_loopback_host",
     "model_card",
     "normalize_messages",
     "output_options",
@@ -697,7 +698,8 @@ class ServedModel(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-def _is_loopback_host(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """True for addresses only this machine can reach (no api_key needed there)."""
     h = host.strip("[]")
     return h in ("localhost", "::1") or h.startswith("127.")
 
@@ -753,7 +755,7 @@ class HttpServer:
         """Bind and serve. A host beyond loopback needs an `api_key` (docs/design.md §9.7)."""
         from aiohttp import web
 
-        if not _is_loopback_host(host) and not self.api_key:
+        if not is_loopback_host(host) and not self.api_key:
             raise PermissionError(
                 f"refusing to serve the rollout HTTP API on {host!r} without an api_key "
                 "(only 127.0.0.1 / localhost / ::1 may go without one)"

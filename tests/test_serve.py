@@ -323,3 +323,15 @@ def test_tool_calls_are_parsed_over_http(scripted: tuple[Any, ScriptedEngine, An
         finish = chunk.choices[0].finish_reason or finish
     assert content == "Let me compute." and finish == "tool_calls"
     assert calls == {0: {"name": "calculator", "arguments": call.function.arguments}}
+
+
+def test_beyond_loopback_without_a_key_is_refused_before_loading() -> None:
+    out = subprocess.run(
+        [*CLI, "serve", "configs/quickstart.yaml", "--host", "0.0.0.0", "--port", "0"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "AREAL_LIKE_API_KEY": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "without an api key" in out.stderr, out.stderr[-2000:]

@@ -120,8 +120,14 @@ async def serve_main(
     `servers` replaces the config's (tests pass servers over fake engines); the tool
     parser is always the config's `agent.tool_parser`.
     """
+    from rollout_cluster.http_api import is_loopback_host
     from rollout_cluster.tool_parser import get_tool_parser
 
+    if not is_loopback_host(host) and not api_key:  # before loading a model, not after
+        raise PermissionError(
+            f"refusing to serve on {host!r} without an api key (--api-key or AREAL_LIKE_API_KEY); "
+            "only 127.0.0.1 / localhost / ::1 may go without one"
+        )
     logging.getLogger().setLevel(cfg.run.log_level)
     parser = get_tool_parser(cfg.agent.tool_parser)
     stop = stop or asyncio.Event()
