@@ -205,6 +205,49 @@ class RolloutServer:
         request = self.check_request(request_id, prompt_ids, sampling_params, allow_n=True)
         return list(await asyncio.gather(*(self.engine.submit(r) for r in request.samples())))
 
+    async def top_logprobs(
+        self, prompt_ids: list[int], token_ids: list[int], k: int, temperature: float
+    ) -> list[list[tuple[int, float]]]:
+        """The `k` most likely tokens and their logprobs at each position of `token_ids`.
+
+        The engine returns only the sampled token's logprob (all RL needs), so OpenAI's
+        `top_logprobs` are computed here by scoring prompt + response once with the
+        engine's own model, on the engine thread between steps (as costly as one
+        prefill; nothing runs unless a request asks). Same distribution as the
+        behaviour logprobs: `log_softmax(logits / T)`, T = 1 for greedy requests. Only
+        the embedded engine exposes its model; others refuse with a `RequestError`.
+        """
+        from rollout_cluster.engine.base import RequestError
+
+        call = getattr(self.engine, "call", None)
+        inner = getattr(self.engine, "engine", None)
+        if call is None or getattr(inner, "model", None) is None:
+            raise RequestError(
+                f"top_logprobs needs the embedded engine; {type(self.engine).__name__} returns sampled-token "
+                "logprobs only (ask for logprobs without top_logprobs)"
+            )
+        if not token_ids or k <= 0:
+            return [[] for _ in token_ids]
+        temp = temperature if temperature > 0 else 1.0
+        seq = list(prompt_ids) + list(token_ids[:-1])
+        start = len(prompt_ids) - 1
+
+        def score(engine: Any) -> list[list[tuple[int, float]]]:
+            import torch
+
+            model = engine.model
+            device = next(model.parameters()).device
+            with torch.inference_mode():
+                logits = model(torch.tensor([seq], device=device)).logits[0, start:].float()
+                logp = torch.log_softmax(logits / temp, dim=-1)
+                values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            return [
+                list(zip(row_i, row_v, strict=True))
+                for row_i, row_v in zip(indices.tolist(), values.tolist(), strict=True)
+            ]
+
+        return await call(score)
+
     async def abort(self, request_ids: Iterable[str]) -> list[GenerateResult]:
         return await self.engine.abort(request_ids)
 
@@ -238,13 +281,21 @@ class RolloutServer:
 
     # ---- HTTP -------------------------------------------------------------------------
 
-    async def start_http(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> str:
-        """Serve the OpenAI-compatible API; returns the base URL (`http://host:port`)."""
+    async def start_http(
+        self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, tool_parser: Any = None
+    ) -> str:
+        """Serve the OpenAI-compatible API; returns the base URL (`http://host:port`).
+
+        `tool_parser` (a `ToolParser`, default hermes) reads `tool_calls` out of chat
+        replies; pass the run's (`agent.tool_parser`) so HTTP agents see what in-process
+        agents see.
+        """
         from rollout_cluster.http_api import HttpServer
 
         if self._http is not None:
             return self._http.url
-        http = HttpServer(self, api_key=api_key)  # refuses a non-loopback host without an api_key
+        # HttpServer refuses a non-loopback host without an api_key.
+        http = HttpServer(self, api_key=api_key, tool_parser=tool_parser)
         url = await http.start(host, port)
         self._http = http  # only once it listens: a refused start raises again next time
         return url

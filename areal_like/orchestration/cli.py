@@ -167,6 +167,41 @@ def _progress(cfg: ExperimentConfig):  # noqa: ANN202 - a small closure
     return on_step
 
 
+@app.command()
+def serve(
+    config: Path = typer.Argument(..., help="Experiment YAML (e.g. configs/quickstart.yaml)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on; beyond loopback needs --api-key."),
+    port: int = typer.Option(8000, help="First port (server i listens on port+i); 0 lets the OS pick."),
+    api_key: str = typer.Option(
+        None, envvar="AREAL_LIKE_API_KEY", help="Bearer token clients must send (required beyond loopback)."
+    ),
+    set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
+) -> None:
+    """Serve the config's model over the OpenAI-compatible API alone (no trainer, no Ray).
+
+    For agent SDKs and evaluation: the run's engine, model and tool parser. Stops on Ctrl-C / SIGTERM (exit 0).
+    """
+    from rich.console import Console
+
+    from areal_like.orchestration.serve import Serving
+    from areal_like.orchestration.serve import serve as serve_model
+
+    console = Console(highlight=False, soft_wrap=True)
+
+    def ready(serving: Serving) -> None:
+        console.print(f"[bold green]serving[/] model [bold]{serving.model}[/] (OpenAI-compatible API)")
+        for url in serving.api_urls:
+            console.print(f"  base_url: {url}")
+        console.print("Ctrl-C to stop")
+
+    cfg = _load(config, set_)
+    try:
+        serving = serve_model(cfg, host=host, port=port, api_key=api_key, on_ready=ready)
+    except (ConfigError, PermissionError, OSError) as e:
+        _fail(str(e))
+    console.print(f"stopped serving {serving.model}")
+
+
 @app.command("sweep-staleness")
 def sweep_staleness_cmd(
     config: Path = typer.Argument(..., help="Experiment YAML (keep train.total_steps short)."),

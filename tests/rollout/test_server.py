@@ -53,7 +53,7 @@ def test_openai_pure_translation():
     sp = sampling_from_openai({"model": "m", "max_tokens": 7, "temperature": 0.5, "top_k": 3, "seed": 1})
     assert (sp.max_tokens, sp.temperature, sp.top_k, sp.seed) == (7, 0.5, 3, 1)
     for bad, msg in [
-        ({"stream": True}, "stream"),
+        ({"echo": True}, "echo"),
         ({"stop": ["\n"]}, "stop_token_ids"),
         ({"mystery": 1}, "mystery"),
         ({"max_tokens": 0}, "max_tokens"),
@@ -164,3 +164,208 @@ def test_refused_http_start_stays_refused(tiny_model_dir):
             await server.close()
 
     asyncio.run(main())
+
+
+# ---- OpenAI conformance of the pure translation (docs/design.md §10.14) ------------------------------
+
+HERMES_REPLY = 'Checking.<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+
+
+def test_assistant_turn_parses_hermes_markup_into_tool_calls():
+    from rollout_cluster.http_api import assistant_turn
+    from rollout_cluster.tool_parser import HermesToolParser
+
+    parser = HermesToolParser()
+    turn = assistant_turn(HERMES_REPLY, "stop", parser, "call_x")
+    assert turn.finish_reason == "tool_calls" and turn.content == "Checking."
+    assert turn.message() == {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {
+                "id": "call_x_0",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'},
+            }
+        ],
+    }
+    only_call = assistant_turn(HERMES_REPLY.removeprefix("Checking."), "stop", parser, "c")
+    assert only_call.content is None and only_call.tool_calls
+    # No parser (the request offered no tools), or only malformed calls: the text as written.
+    assert assistant_turn(HERMES_REPLY, "stop", None, "c").content == HERMES_REPLY
+    broken = "x<tool_call>{not json}</tool_call>"
+    assert assistant_turn(broken, "stop", parser, "c") == assistant_turn(broken, "stop", None, "c")
+    mixed = assistant_turn(HERMES_REPLY + "<tool_call>{bad}</tool_call>", "stop", parser, "c")
+    assert len(mixed.tool_calls) == 1 and mixed.content == "Checking.<tool_call>{bad}</tool_call>"
+    assert assistant_turn(HERMES_REPLY, "length", parser, "c").finish_reason == "length"
+
+
+def test_messages_content_parts_and_template_arguments():
+    from rollout_cluster.http_api import ApiError, normalize_messages, template_messages
+
+    msgs = normalize_messages(
+        [
+            {"role": "system", "content": None},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]
+    )
+    assert [m["content"] for m in msgs] == ["", "ab"]
+    for bad, why in [
+        ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "'input_audio'"),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "text must be a string"),
+        ([{"role": "user", "content": 5}], "string or a list"),
+        ([{"content": "no role"}], "'role'"),
+        ([], "non-empty"),
+    ]:
+        with pytest.raises(ApiError, match=why) as e:
+            normalize_messages(bad)
+        assert e.value.status == 400
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    rendered = template_messages([{"role": "assistant", "content": "", "tool_calls": [call]}])
+    assert rendered[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert call["function"]["arguments"] == '{"x": 1}'  # the caller's message is not modified
+
+
+def test_output_options_are_checked_as_openai_checks_them():
+    from rollout_cluster.http_api import ApiError, OutputOptions, output_options
+
+    assert output_options({"logprobs": True, "top_logprobs": 3}, chat=True) == OutputOptions(
+        False, False, True, 3
+    )
+    assert output_options({"logprobs": 2, "stream": True}, chat=False) == OutputOptions(True, False, True, 2)
+    assert output_options(
+        {"stream": True, "stream_options": {"include_usage": True}}, chat=True
+    ).include_usage
+    for body, chat, param in [
+        ({"top_logprobs": 2}, True, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+        ({"logprobs": "yes"}, True, "logprobs"),
+        ({"logprobs": True}, False, "logprobs"),
+        ({"stream_options": {"include_usage": True}}, True, "stream_options"),
+        ({"stream": True, "stream_options": {"bogus": 1}}, True, "stream_options"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            output_options(body, chat=chat)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_logprob_shapes_and_stream_chunks():
+    from areal_like.core.types import GenerateResult
+    from rollout_cluster.http_api import (
+        AssistantTurn,
+        chat_logprobs,
+        chat_stream_chunks,
+        completion_logprobs,
+        completion_stream_chunks,
+        sse_event,
+        text_pieces,
+    )
+
+    vocab = {1: "h", 2: "é", 3: "!", 9: "<eos>"}
+    decode_token = vocab.__getitem__
+    lp = chat_logprobs(
+        [1, 2], [-0.5, float("-inf")], [[(1, -0.5), (3, -1.0)], [(2, -0.1), (1, -3.0)]], decode_token
+    )
+    assert lp["content"][1] == {
+        "token": "é",
+        "logprob": -9999.0,  # JSON has no -inf
+        "bytes": [0xC3, 0xA9],
+        "top_logprobs": [
+            {"token": "é", "logprob": -0.1, "bytes": [0xC3, 0xA9]},
+            {"token": "h", "logprob": -3.0, "bytes": [104]},
+        ],
+    }
+    clp = completion_logprobs([1, 2, 3], [-1.0, -2.0, -3.0], None, decode_token)
+    assert clp == {
+        "tokens": ["h", "é", "!"],
+        "token_logprobs": [-1.0, -2.0, -3.0],
+        "top_logprobs": None,
+        "text_offset": [0, 1, 2],
+    }
+
+    # A token that ends mid-character decodes to U+FFFD: its piece waits for the rest.
+    def decode(ids):
+        text = "".join({1: "h", 4: "\ufffd", 5: "é"}.get(i, "") for i in ids)
+        return (
+            text.replace("\ufffd", "") + ("\ufffd" if ids and ids[-1] == 4 else "") if 5 not in ids else "hé"
+        )
+
+    assert text_pieces([1, 4, 5], decode) == ["h", "", "é"]
+    assert "".join(text_pieces([1, 2, 3], lambda ids: "".join(vocab[i] for i in ids))) == "hé!"
+
+    r = GenerateResult(
+        request_id="r",
+        token_ids=[1, 3, 9],
+        logprobs=[-1.0, -2.0, -3.0],
+        versions=[0, 0, 0],
+        stop_reason="stop",
+    )
+    turn = AssistantTurn("h!", None, "stop")
+    chunks = chat_stream_chunks(
+        "abc", "m", [7, 7], [r], [turn], [["h", "!", ""]], [None], include_usage=True, created=5
+    )
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["h", "!"]
+    final = chunks[-2]["choices"][0]
+    assert final["finish_reason"] == "stop" and final["token_ids"] == [1, 3, 9]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-abc" for c in chunks)
+    calls = [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    tool_chunks = chat_stream_chunks(
+        "abc", "m", [7], [r], [AssistantTurn(None, calls, "tool_calls")], [["h", "!", ""]], [None]
+    )
+    assert tool_chunks[1]["choices"][0]["delta"] == {"tool_calls": [{"index": 0, **calls[0]}]}
+    assert tool_chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    cmp = completion_stream_chunks("abc", "m", [7], [r], [["h", "!", "<eos>"]], [None])
+    assert [c["choices"][0]["text"] for c in cmp] == ["h", "!", "<eos>", ""]
+    assert sse_event("[DONE]") == b"data: [DONE]\n\n"
+    with pytest.raises(ValueError):
+        sse_event({"x": float("nan")})  # never invalid JSON on the wire
+
+
+def test_http_errors_have_openai_shape(monkeypatch):
+    """Unknown paths, wrong methods and oversized bodies: JSON errors the SDKs understand."""
+    from rollout_cluster import http_api
+
+    class Stub:
+        version = 0
+        model_name = "m"
+        tokenizer = None
+        counters = {"http_requests": 0.0, "http_errors": 0.0}
+
+    monkeypatch.setattr(http_api, "MAX_BODY_BYTES", 1024)
+
+    async def main():
+        http = http_api.HttpServer(Stub())
+        url = await http.start("127.0.0.1", 0)
+        try:
+            out = []
+            async with aiohttp.ClientSession() as s:
+                for method, path, kw in [
+                    ("GET", "/v1/nothing", {}),
+                    ("GET", "/v1/chat/completions", {}),
+                    (
+                        "POST",
+                        "/v1/completions",
+                        {"data": b"x" * 4096, "headers": {"Content-Type": "application/json"}},
+                    ),
+                    ("GET", "/v1/models/other", {}),
+                    ("POST", "/v1/completions", {"json": {"prompt": [1], "model": "nope"}}),
+                    ("POST", "/v1/completions", {"json": {"prompt": "text needs a tokenizer"}}),
+                ]:
+                    async with s.request(method, url + path, **kw) as r:
+                        out.append((r.status, await r.json()))
+            return out
+        finally:
+            await http.stop()
+
+    got = asyncio.run(main())
+    assert [status for status, _ in got] == [404, 405, 413, 404, 404, 400]
+    for _, body in got:
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    assert (
+        "no such path" in got[0][1]["error"]["message"]
+        and "limit is 1024 bytes" in got[2][1]["error"]["message"]
+    )
+    assert got[3][1]["error"]["code"] == got[4][1]["error"]["code"] == "model_not_found"
+    assert "tokenizer" in got[5][1]["error"]["message"]
