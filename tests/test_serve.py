@@ -30,7 +30,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from areal_like.core.types import GenerateResult, SamplingParams  # noqa: E402
+from areal_like.core.types import GenerateResult  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 QUICKSTART_MODEL = ROOT / "areal_like" / "assets" / "quickstart_model"
@@ -233,13 +233,12 @@ class ScriptedEngine:
         self.vocab_size = vocab_size
         self.prompts: list[list[int]] = []
 
-    async def generate(
-        self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
-    ) -> GenerateResult:
-        self.prompts.append(list(prompt_ids))
+    async def submit(self, request: Any) -> GenerateResult:
+        """Takes the server's validated `EngineRequest` (the one validation is at the edge)."""
+        self.prompts.append(list(request.prompt_ids))
         n = len(self.token_ids)
         return GenerateResult(
-            request_id=request_id,
+            request_id=request.request_id,
             token_ids=list(self.token_ids),
             logprobs=[-0.25] * n,
             versions=[0] * n,

@@ -336,7 +336,7 @@ def profile_cmd(
     quick: bool = typer.Option(False, help="Fewer batch sizes and tokens (~10 s)."),
 ) -> None:
     """Measure decode, prefill, train-step and weight-sync costs here; write a cost file for `plan`."""
-    from areal_like.orchestration.launch import resolve_model_path
+    from areal_like.orchestration.preflight import resolve_model_path
     from areal_like.plan.profile import profile
 
     cfg = _load(config, set_)

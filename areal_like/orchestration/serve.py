@@ -52,7 +52,7 @@ def build_servers(cfg: ExperimentConfig) -> list[Any]:
     import torch
 
     from areal_like.models.tiny_model import load_tokenizer
-    from areal_like.orchestration.launch import resolve_model_path
+    from areal_like.orchestration.preflight import resolve_model_path
     from rollout_cluster.server import RolloutServer
 
     torch.set_num_threads(cfg.rollout.server_threads)
