@@ -222,7 +222,11 @@ def _safe_cache_dir(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True, mode=0o755)
     for d in [root, *root.parents]:
         st = d.lstat()
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        if (
+            stat.S_ISLNK(st.st_mode)
+            or st.st_uid != 0
+            or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX)
+        ):
             raise SandboxError(f"sandbox cache {root}: {d} is not a root-owned, non-writable directory")
     if root.stat().st_mode & 0o022:
         raise SandboxError(f"sandbox cache {root} is writable by others")
@@ -310,7 +314,9 @@ def _build_runtime(site_packages: bool, host_uid: int) -> _Runtime:
             if d in site_dirs or not os.path.isdir(d):
                 continue
             if host_uid != os.geteuid() and not _reachable_by_others(d):
-                raise SandboxError(f"site-packages {d} is not readable by uid {host_uid} (sandbox: site_packages)")
+                raise SandboxError(
+                    f"site-packages {d} is not readable by uid {host_uid} (sandbox: site_packages)"
+                )
             site_dirs.append(d)
             binds.append((d, d))
     return _Runtime(exe, tuple(binds), tuple(masks), tuple(site_dirs))
@@ -386,7 +392,11 @@ class Sandbox:
     """
 
     def __init__(
-        self, mode: Literal["bwrap", "none"] = "bwrap", *, bwrap: str | None = None, site_packages: bool = False
+        self,
+        mode: Literal["bwrap", "none"] = "bwrap",
+        *,
+        bwrap: str | None = None,
+        site_packages: bool = False,
     ) -> None:
         if mode not in ("bwrap", "none"):
             raise ValueError(f"sandbox mode must be 'bwrap' or 'none', got {mode!r}")
@@ -439,7 +449,9 @@ class Sandbox:
             file_fds = {name: _memfd("file", data) for name, data in files.items()}
             fds += file_fds.values()
             cmd = self._command(runtime, limits, file_fds, info_w, entry, argv)
-            return await self._spawn_and_wait(cmd, limits, out_fd, err_fd, info_r, info_w, [*file_fds.values()])
+            return await self._spawn_and_wait(
+                cmd, limits, out_fd, err_fd, info_r, info_w, [*file_fds.values()]
+            )
         finally:
             for fd in fds:
                 try:
@@ -557,7 +569,9 @@ class Sandbox:
         wall = time.perf_counter() - start
         if not info and not timed_out:
             stderr, _ = _read_head(err_fd, 4000)
-            raise SandboxError(f"bubblewrap could not start the sandbox (exit {proc.returncode}): {stderr.strip()}")
+            raise SandboxError(
+                f"bubblewrap could not start the sandbox (exit {proc.returncode}): {stderr.strip()}"
+            )
         stdout, out_trunc = _read_head(out_fd, limits.max_output_bytes)
         stderr, err_trunc = _read_head(err_fd, limits.max_output_bytes)
         if timed_out:
