@@ -39,6 +39,7 @@ import re
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -330,6 +331,43 @@ def _runtime(site_packages: bool, host_uid: int) -> _Runtime:
         return _runtimes[key]
 
 
+# ---- seccomp: syscalls that reach other processes or the kernel's sharper edges -----
+# Namespaces already hide other processes; this also refuses them inside the sandbox
+# (ptrace of the sandbox's own pid 1 would freeze the call) and shrinks the kernel
+# attack surface. Refused with EPERM, not killed, so the code sees an ordinary error.
+_DENY = {
+    # AUDIT_ARCH_X86_64: ptrace, process_vm_readv/writev, add_key, request_key, keyctl,
+    # perf_event_open, bpf, userfaultfd, io_uring_setup/enter/register, unshare, setns, mount
+    0xC000003E: (101, 310, 311, 248, 249, 250, 298, 321, 323, 425, 426, 427, 272, 308, 165),
+    # AUDIT_ARCH_AARCH64: the same calls
+    0xC00000B7: (117, 270, 271, 217, 218, 219, 241, 280, 282, 425, 426, 427, 97, 268, 40),
+}
+_MACHINE_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+
+
+def seccomp_program() -> bytes | None:
+    """A classic-BPF seccomp filter (as `bwrap --seccomp` reads it) for this machine, or None."""
+    arch = _MACHINE_ARCH.get(os.uname().machine)
+    if arch is None:
+        return None
+    deny = _DENY[arch]
+    ret_errno, ret_allow = 0x00050000 | errno.EPERM, 0x7FFF0000
+    ins: list[tuple[int, int, int, int]] = [
+        (0x20, 0, 0, 4),  # ld arch
+        (0x15, 1, 0, arch),  # jeq arch -> skip the next
+        (0x06, 0, 0, ret_errno),  # another ABI: refuse everything
+        (0x20, 0, 0, 0),  # ld syscall number
+    ]
+    checks = [(0x35, 0x40000000)] if arch == 0xC000003E else []  # jge: x32 ABI (bit 30) refused
+    checks += [(0x15, nr) for nr in deny]  # jeq nr
+    deny_at = len(ins) + len(checks) + 1  # after the allow
+    for op, k in checks:
+        ins.append((op, deny_at - len(ins) - 1, 0, k))
+    ins.append((0x06, 0, 0, ret_allow))
+    ins.append((0x06, 0, 0, ret_errno))
+    return b"".join(struct.pack("=HBBI", *i) for i in ins)
+
+
 # ---- one call --------------------------------------------------------------------------
 def _normalize_files(code_or_files: str | Mapping[str, str | bytes], entry: str) -> dict[str, bytes]:
     files = {entry: code_or_files} if isinstance(code_or_files, str) else dict(code_or_files)
@@ -448,10 +486,13 @@ class Sandbox:
             fds += [info_r, info_w]
             file_fds = {name: _memfd("file", data) for name, data in files.items()}
             fds += file_fds.values()
-            cmd = self._command(runtime, limits, file_fds, info_w, entry, argv)
-            return await self._spawn_and_wait(
-                cmd, limits, out_fd, err_fd, info_r, info_w, [*file_fds.values()]
-            )
+            bpf = seccomp_program()
+            seccomp_fd = _memfd("seccomp", bpf) if bpf else None
+            if seccomp_fd is not None:
+                fds.append(seccomp_fd)
+            cmd = self._command(runtime, limits, file_fds, info_w, entry, argv, seccomp_fd)
+            extra_fds = [*file_fds.values()] + ([seccomp_fd] if seccomp_fd is not None else [])
+            return await self._spawn_and_wait(cmd, limits, out_fd, err_fd, info_r, info_w, extra_fds)
         finally:
             for fd in fds:
                 try:
@@ -467,6 +508,7 @@ class Sandbox:
         info_w: int,
         entry: str,
         argv: tuple[str, ...],
+        seccomp_fd: int | None,
     ) -> list[str]:
         assert self.bwrap is not None
         mb = 1 << 20
@@ -482,6 +524,8 @@ class Sandbox:
             "--hostname", "sandbox",
             "--info-fd", str(info_w),
         ]  # fmt: skip
+        if seccomp_fd is not None:
+            cmd += ["--seccomp", str(seccomp_fd)]
         for src, dest in rt.binds:
             cmd += ["--ro-bind", src, dest]
         for m in rt.masks:
