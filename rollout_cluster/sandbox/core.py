@@ -85,7 +85,7 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_
 # interpreter start per call, not two). The bootstrap's own frame is cut from tracebacks.
 _BOOTSTRAP = """\
 def _areal_boot():
-    import builtins, resource, sys
+    import builtins, os, resource, sys
     cpu, mem, fsize, nproc = (int(x) for x in sys.argv[1:5])
     entry, site_dirs, argv = sys.argv[5], sys.argv[6], sys.argv[7:]
     R = resource
@@ -102,6 +102,7 @@ def _areal_boot():
         code = compile(f.read(), entry, "exec")
     R.setrlimit(R.RLIMIT_AS, (mem, mem))
     sys.argv = [entry, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(entry)))  # like `python main.py`
     main = sys.modules["__main__"].__dict__
     main.clear()
     main.update(__name__="__main__", __file__=entry, __builtins__=builtins, __doc__=None,
@@ -413,6 +414,8 @@ def _decode_status(rc: int | None, stderr: str) -> tuple[int | None, str | None,
         return rc, name, why
     if rc != 0 and re.search(r"^MemoryError\b", stderr, re.M):
         return rc, None, "memory"
+    if rc != 0 and "File too large" in stderr:  # Python ignores SIGXFSZ: writes fail with EFBIG
+        return rc, None, "file_size"
     return rc, None, None
 
 
