@@ -16,6 +16,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -429,3 +430,49 @@ def test_code_test_tool_cannot_fake_a_pass(tmp_path: Path) -> None:
     asyncio.run(tool.create("ep", tests="def test_only():\n    assert True\n"))
     out = asyncio.run(tool.execute("ep", {"code": ""}))
     assert out.reward == 1.0 and out.metrics["tests_total"] == 1
+
+
+# ---- end to end: an agent loop whose episodes call the python tool concurrently -------
+def test_agent_loop_episodes_call_the_sandboxed_tool_concurrently(tokenizer: Any) -> None:
+    """Fake only the server; the loop, the hermes parser, the tool and bwrap are real."""
+    import json
+
+    from areal_like.config import AgentConfig
+    from areal_like.types import SamplingParams
+    from rollout_cluster.agent_loop import ToolAgentLoop
+    from rollout_cluster.server_manager import ServerManager
+
+    from ._agent_fakes import FakeServer
+
+    codes = {
+        f"ep{i}": f"import os, time\ntime.sleep(0.3)\nprint({i} * 7, os.getuid(), os.path.exists({str(REPO)!r}))"
+        for i in range(4)
+    }
+
+    def script(episode: str, turn: int) -> str:
+        if turn == 0:
+            call = {"name": "python", "arguments": {"code": codes[episode]}}
+            return f"<tool_call>{json.dumps(call)}</tool_call>"
+        return "done"
+
+    server = FakeServer(tokenizer, script)
+    tool = PythonTool("python", timeout_s=60, config={"wall_s": 30})
+    loop = ToolAgentLoop(
+        server_manager=ServerManager([server]),
+        tokenizer=tokenizer,
+        config=AgentConfig(max_tool_response_length=500),
+        response_length=400,
+        tools=[tool],
+    )
+    sample = {"prompt": [{"role": "user", "content": "compute"}]}
+
+    async def episodes() -> list[Any]:
+        return list(
+            await asyncio.gather(*(loop.run(SamplingParams(), episode_id=ep, **sample) for ep in codes))
+        )
+
+    outs = asyncio.run(episodes())
+    for i, out in enumerate(outs):
+        tool_msgs = [m for m in out.extra["messages"] if m["role"] == "tool"]
+        assert [m["content"] for m in tool_msgs] == [f"{i * 7} 65534 False\n"], out.extra["messages"]
+        assert out.extra["termination"] == "no_tool_call" and out.metrics["tool_calls"] == 1
