@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import stat
@@ -495,7 +496,7 @@ class Sandbox:
                 fds.append(seccomp_fd)
             cmd = self._command(runtime, limits, file_fds, info_w, entry, argv, seccomp_fd)
             extra_fds = [*file_fds.values()] + ([seccomp_fd] if seccomp_fd is not None else [])
-            return await self._spawn_and_wait(cmd, limits, out_fd, err_fd, info_r, info_w, extra_fds)
+            return await self._spawn_and_wait(cmd, limits, out_fd, err_fd, info_r, info_w, extra_fds, fds)
         finally:
             for fd in fds:
                 try:
@@ -578,6 +579,7 @@ class Sandbox:
         info_r: int,
         info_w: int,
         pass_fds: list[int],
+        owned: list[int],
     ) -> SandboxResult:
         drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
         loop = asyncio.get_running_loop()
@@ -592,7 +594,10 @@ class Sandbox:
             env={},
             **drop,
         )
-        os.close(info_w)  # now only bwrap holds it: EOF once bwrap wrote (or failed)
+        # Now only bwrap holds it: EOF once bwrap wrote (or failed). Dropped from `owned` so
+        # the caller does not close the number again (another call may have reused it).
+        owned.remove(info_w)
+        os.close(info_w)
         pidfd: int | None = None
         timed_out = False
         info = b""
@@ -718,13 +723,17 @@ async def _read_pipe(fd: int) -> bytes:
 
 
 async def _wait_pidfd(pidfd: int, timeout: float) -> None:
-    """Wait until the process behind `pidfd` has exited (its pid namespace is then empty)."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
-    try:
-        await asyncio.wait_for(done, timeout=timeout)
-    except asyncio.TimeoutError:
-        logger.error("sandbox: pid 1 of a killed call still exists after %.0f s", timeout)
-    finally:
-        loop.remove_reader(pidfd)
+    """Wait until the process behind `pidfd` has exited (its pid namespace is then empty).
+
+    Polls the pidfd (readable once the process exits) instead of registering it with the
+    event loop: epoll_ctl on a pidfd was seen failing with EPERM on some kernels."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not poller.poll(0):
+        if time.monotonic() > deadline:
+            logger.error("sandbox: pid 1 of a killed call still exists after %.0f s", timeout)
+            return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.02)

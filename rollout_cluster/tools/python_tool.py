@@ -89,7 +89,9 @@ class PythonTool(BaseTool):
             scratch_mb=int(c.get("scratch_mb", 32)),
             max_output_bytes=self.max_output_chars * 4 + 4,
         )
-        self.wall_s = self.limits.wall_s
+        # The old attribute names, kept for callers and configs that read them.
+        self.wall_s, self.cpu_s, self.memory_mb = self.limits.wall_s, self.limits.cpu_s, self.limits.memory_mb
+        self.file_size_mb, self.max_processes = self.limits.file_size_mb, self.limits.max_processes
         self.sandbox = sandbox_from_config(name, c)
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
