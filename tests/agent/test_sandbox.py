@@ -476,3 +476,12 @@ def test_agent_loop_episodes_call_the_sandboxed_tool_concurrently(tokenizer: Any
         tool_msgs = [m for m in out.extra["messages"] if m["role"] == "tool"]
         assert [m["content"] for m in tool_msgs] == [f"{i * 7} 65534 False\n"], out.extra["messages"]
         assert out.extra["termination"] == "no_tool_call" and out.metrics["tool_calls"] == 1
+
+
+def test_many_concurrent_calls_keep_their_own_results(sandbox: Sandbox) -> None:
+    """Regression: a double close of a per-call fd once closed another call's output fd."""
+
+    async def many() -> list[SandboxResult]:
+        return list(await asyncio.gather(*(sandbox.run(f"print({i})", LIMITS) for i in range(24))))
+
+    assert [r.stdout for r in asyncio.run(many())] == [f"{i}\n" for i in range(24)]
