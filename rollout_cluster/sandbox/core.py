@@ -725,8 +725,8 @@ async def _read_pipe(fd: int) -> bytes:
 async def _wait_pidfd(pidfd: int, timeout: float) -> None:
     """Wait until the process behind `pidfd` has exited (its pid namespace is then empty).
 
-    Polls the pidfd (readable once the process exits) instead of registering it with the
-    event loop: epoll_ctl on a pidfd was seen failing with EPERM on some kernels."""
+    Polls the pidfd (readable once the process exits) with a short backoff rather than
+    registering it with the event loop, so a slow kill never holds a loop reader."""
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     deadline = time.monotonic() + timeout
