@@ -6,6 +6,16 @@
 # A stamp records what was installed; a second run with nothing changed does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bubblewrap: the sandbox for model-written code (docs/sandbox.md). Installed when
+# missing and we are root with apt-get; otherwise say how.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap"
+    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "[setup] bubblewrap (bwrap) is missing: install it (e.g. 'sudo apt-get install bubblewrap')" >&2
+  fi
+fi
 EXTRAS="${EXTRAS:-}"
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

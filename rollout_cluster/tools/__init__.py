@@ -31,12 +31,14 @@ from rollout_cluster.tools.base import (
     validate_arguments,
 )
 from rollout_cluster.tools.calculator import CalculatorTool
+from rollout_cluster.tools.code_test import CodeTestTool
 from rollout_cluster.tools.python_tool import PythonTool
 
 __all__ = [
     "BUILTIN_TOOLS",
     "BaseTool",
     "CalculatorTool",
+    "CodeTestTool",
     "FunctionTool",
     "PythonTool",
     "ToolError",
@@ -51,7 +53,11 @@ __all__ = [
     "validate_arguments",
 ]
 
-BUILTIN_TOOLS: dict[str, type[BaseTool]] = {"calculator": CalculatorTool, "python": PythonTool}
+BUILTIN_TOOLS: dict[str, type[BaseTool]] = {
+    "calculator": CalculatorTool,
+    "python": PythonTool,
+    "code_test": CodeTestTool,
+}
 
 
 def as_tool(
