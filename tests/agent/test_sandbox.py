@@ -437,8 +437,8 @@ def test_agent_loop_episodes_call_the_sandboxed_tool_concurrently(tokenizer: Any
     """Fake only the server; the loop, the hermes parser, the tool and bwrap are real."""
     import json
 
-    from areal_like.config import AgentConfig
-    from areal_like.types import SamplingParams
+    from areal_like.core.config import AgentConfig
+    from areal_like.core.types import SamplingParams
     from rollout_cluster.agent_loop import ToolAgentLoop
     from rollout_cluster.server_manager import ServerManager
 
@@ -473,9 +473,9 @@ def test_agent_loop_episodes_call_the_sandboxed_tool_concurrently(tokenizer: Any
 
     outs = asyncio.run(episodes())
     for i, out in enumerate(outs):
-        tool_msgs = [m for m in out.extra["messages"] if m["role"] == "tool"]
-        assert [m["content"] for m in tool_msgs] == [f"{i * 7} 65534 False\n"], out.extra["messages"]
-        assert out.extra["termination"] == "no_tool_call" and out.metrics["tool_calls"] == 1
+        tool_msgs = [m for m in out.messages if m["role"] == "tool"]
+        assert [m["content"] for m in tool_msgs] == [f"{i * 7} 65534 False\n"], out.messages
+        assert out.termination == "no_tool_call" and out.metrics["tool_calls"] == 1
 
 
 def test_many_concurrent_calls_keep_their_own_results(sandbox: Sandbox) -> None:
