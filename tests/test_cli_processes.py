@@ -77,3 +77,10 @@ def test_ctrl_c_or_sigterm_stops_everything(tiny_model_dir, tmp_path, how) -> No
     assert p.returncode == 130, out[-3000:]
     time.sleep(3)
     assert _session_processes(p.pid) == [], _session_processes(p.pid)
+    # the stop is a stop, not a crash: a final checkpoint, the summary, and the --resume line
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = recs[-1]
+    assert summary["kind"] == "summary" and summary["ended"] == "interrupted" and summary["counts_add_up"], summary
+    steps = [r["step"] for r in recs if r["kind"] == "train_step" and not r["skipped"]]
+    assert (run_dir / "checkpoints" / f"v{max(steps):06d}" / "COMPLETE").is_file()
+    assert "stopped: {" in out and "--resume" in out, out[-3000:]

@@ -63,6 +63,40 @@ def _load(config: Path, set_: list[str]) -> ExperimentConfig:
     raise AssertionError("unreachable")
 
 
+def _preflight(cfg: ExperimentConfig, role: str, resume: bool = False, overwrite: bool = False) -> None:
+    """Everything checkable before Ray starts, one line each (docs/design.md §10.8)."""
+    from areal_like.orchestration.preflight import preflight
+    from areal_like.orchestration.run_dir import RunDirError, RunFinished
+
+    try:
+        preflight(cfg, role, resume=resume, overwrite=overwrite)  # type: ignore[arg-type]
+    except RunFinished as e:
+        typer.secho(str(e), fg=typer.colors.GREEN)
+        raise typer.Exit(0) from None
+    except (ConfigError, RunDirError) as e:
+        _fail(str(e))
+
+
+def _end(summary: dict[str, int], run_dir: str) -> None:
+    """Exit 0 only when the counts add up; an integrity failure exits 3 (docs/design.md §10.7)."""
+    from areal_like.core.buffer import TrajectoryBuffer
+
+    typer.echo(f"done: {summary}")
+    typer.echo(f"run folder: {run_dir}  (areal-like report {run_dir})")
+    if not TrajectoryBuffer.counts_add_up(summary):
+        _fail(f"integrity check failed: the outcome counts do not add up to the {summary['started']} episodes "
+              f"started ({summary}); the run's records cannot be trusted", code=3)
+
+
+def _interrupted(e: BaseException) -> None:
+    hint = getattr(e, "hint", "")
+    summary = getattr(e, "summary", None)
+    if summary is not None:
+        typer.secho(f"stopped: {summary}", fg=typer.colors.YELLOW, err=True)
+    typer.secho(f"interrupted: {hint}" if hint else "interrupted", fg=typer.colors.YELLOW, err=True)
+    raise typer.Exit(130)
+
+
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="Experiment YAML (e.g. configs/quickstart.yaml)."),
@@ -72,21 +106,20 @@ def run(
 ) -> None:
     """Run both clusters on this machine (embedded Ray, one placement group per pool)."""
     from areal_like.orchestration.launch import run_both
-    from areal_like.orchestration.preflight import check_resources, resolve_model_path
     from areal_like.orchestration.run_dir import RunDirError
-    from areal_like.orchestration.trainer_controller import RunAborted
+    from areal_like.orchestration.trainer_controller import RunAborted, RunInterrupted
 
     cfg = _load(config, set_)
+    _preflight(cfg, "run", resume, overwrite)
     try:
-        resolve_model_path(cfg)
-        check_resources(cfg)
         summary = run_both(cfg, resume=resume, overwrite=overwrite, on_start=_print_start, on_step=_progress(cfg))
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
     except RunAborted as e:
         _fail(str(e), code=1)
-    typer.echo(f"done: {summary}")
-    typer.echo(f"run folder: {cfg.run.dir}  (areal-like report {cfg.run.dir})")
+    except RunInterrupted as e:
+        _interrupted(e)
+    _end(summary, cfg.run.dir)
 
 
 @app.command()
@@ -96,13 +129,17 @@ def rollout(
     resume: bool = typer.Option(False, help="Accepted for symmetry: the trainer tells the rollout side where to resume."),
 ) -> None:
     """Run the rollout cluster only; it connects to the trainer's data/control addresses."""
+    from areal_like.orchestration.bridge import TrainerLostError
     from areal_like.orchestration.rollout_side import RolloutSide
 
     cfg = _load(config, set_)
+    _preflight(cfg, "rollout")
     try:
         out = RolloutSide(cfg).run()
     except ConfigError as e:
         _fail(str(e))
+    except TrainerLostError as e:
+        _fail(str(e), code=1)
     typer.echo(f"rollout side stopped: {out}")
 
 
@@ -120,10 +157,11 @@ def train(
 
     from areal_like.orchestration.launch import init_ray, ray_env
     from areal_like.orchestration.run_dir import RunDirError
-    from areal_like.orchestration.trainer_controller import RunAborted
+    from areal_like.orchestration.trainer_controller import RunAborted, RunInterrupted
     from areal_like.orchestration.trainer_side import TrainerSide
 
     cfg = _load(config, set_)
+    _preflight(cfg, "train", resume, overwrite)
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
     try:
@@ -140,7 +178,9 @@ def train(
         _fail(str(e))
     except RunAborted as e:
         _fail(str(e), code=1)
-    typer.echo(f"done: {summary}")
+    except RunInterrupted as e:
+        _interrupted(e)
+    _end(summary, cfg.run.dir)
 
 
 def _print_start(side: object) -> None:
@@ -388,11 +428,17 @@ def _term_as_interrupt(signum: int, frame: object) -> None:
     """Ctrl-C and SIGTERM: raise KeyboardInterrupt so the finally blocks tear down Ray,
     engines and sockets, with a watchdog in case the teardown hangs; a second signal
     kills everything at once."""
+    from areal_like.orchestration import stop
+
     global _stopping
     if _stopping:
         _kill_descendants_and_exit(130)
     _stopping = True
     _stop_watchdog(STOP_GRACE_S)
+    typer.secho("\nstopping: final checkpoint and summary (Ctrl-C again to kill at once)", fg=typer.colors.YELLOW,
+                err=True)
+    if stop.defer_now():  # inside a train step: raised when it ends
+        return
     raise KeyboardInterrupt(f"signal {signum}")
 
 

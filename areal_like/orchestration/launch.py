@@ -75,12 +75,10 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from areal_like.orchestration.preflight import check_resources
-    from areal_like.orchestration.run_dir import RunDir
+    from areal_like.orchestration.preflight import preflight
 
-    check_resources(cfg)
+    preflight(cfg, "run", resume=resume, overwrite=overwrite)  # refuse before starting anything
 
-    RunDir(cfg.run.dir).check(resume=resume, overwrite=overwrite)  # refuse before starting anything
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
     started_ray = False

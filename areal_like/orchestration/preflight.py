@@ -1,18 +1,23 @@
 """Checks that run before anything starts (docs/design.md §10.8): one clear line, no
 traceback, nothing left behind. Everything that can be known without Ray, models or
 sockets of our own is checked here: the model folder, pool sizes against the machine,
-and (see `preflight`) addresses, ports, the run folder and flag combinations.
+addresses and ports (free, loopback unless a credential is set), the run folder and
+flag combinations. `preflight(cfg, role)` runs what applies to `run`, `train` or
+`rollout`.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 from pathlib import Path
+from typing import Literal
 
 from areal_like.core.config import ConfigError, ExperimentConfig
 
-__all__ = ["resolve_model_path", "check_resources"]
+__all__ = ["resolve_model_path", "check_resources", "check_listeners", "preflight"]
 
 log = logging.getLogger(__name__)
 
@@ -82,3 +87,78 @@ def _need_gpus(n: int, what: str) -> None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < n:
         raise ConfigError(f"{what} needs {n} GPU(s); this machine has {have}")
+
+
+def _host_port(addr: str, what: str) -> tuple[str, int]:
+    rest = addr.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what}={addr!r}: expected host:port (e.g. tcp://127.0.0.1:5555)")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _check_free(host: str, port: int, what: str) -> None:
+    """Bind and release `host:port` now, so a port in use is one line before anything starts."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise ConfigError(f"{what}: {host}:{port} {why}; pick another port or stop what holds it") from None
+
+
+def check_listeners(cfg: ExperimentConfig) -> None:
+    """The trainer side's listeners: well-formed, free, and loopback unless a credential
+    is configured (docs/design.md §10.10)."""
+    t = cfg.transport
+    for what, addr in (("transport.data_addr", t.data_addr), ("transport.control_addr", t.control_addr)):
+        host, port = _host_port(addr, what)
+        if not _is_loopback(host) and not t.secret:
+            raise ConfigError(f"{what}={addr}: listening beyond loopback needs transport.secret")
+        _check_free(host, port, what)
+    if cfg.weight_sync.type == "dist":
+        host, port = _host_port(cfg.weight_sync.store_addr, "weight_sync.store_addr")
+        if not _is_loopback(host) and not t.secret:
+            raise ConfigError(f"weight_sync.store_addr={cfg.weight_sync.store_addr}: the weight group's store "
+                              "beyond loopback needs transport.secret set (an explicit opt-in: the store itself "
+                              "has no authentication, so keep it on a private network)")
+        _check_free(host, port, "weight_sync.store_addr")
+    m = cfg.metrics
+    if not _is_loopback(m.dashboard_host) and not m.dashboard_token:
+        raise ConfigError(f"metrics.dashboard_host={m.dashboard_host}: serving the dashboard beyond loopback "
+                          "needs metrics.dashboard_token")
+    _check_free(m.dashboard_host, m.dashboard_port, "metrics.dashboard_port")
+
+
+def check_rollout_addresses(cfg: ExperimentConfig) -> None:
+    """The rollout side connects: it needs the trainer's real ports."""
+    for what, addr in (("transport.data_addr", cfg.transport.data_addr),
+                       ("transport.control_addr", cfg.transport.control_addr)):
+        _, port = _host_port(addr, what)
+        if port == 0:
+            raise ConfigError(f"{what}={addr}: the rollout side connects, so it needs the trainer's real port "
+                              "(port 0 only works when `areal-like run` starts both sides)")
+
+
+def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *, resume: bool = False,
+              overwrite: bool = False) -> None:
+    """Every check that needs nothing started: raises `ConfigError`, `RunDirError` or
+    `RunFinished` (a `--resume` with nothing left to do) with one clear line."""
+    from areal_like.orchestration.run_dir import RunDir
+
+    resolve_model_path(cfg)
+    if role == "rollout":
+        check_rollout_addresses(cfg)
+        return
+    if role == "run":
+        check_resources(cfg)
+    check_listeners(cfg)
+    RunDir(cfg.run.dir).check(resume=resume, overwrite=overwrite, total_steps=cfg.train.total_steps)

@@ -16,6 +16,7 @@ happened. Only outputs live here; inputs may live anywhere.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 from areal_like.core.config import ExperimentConfig, dump_config
 from areal_like.core.types import TrajectoryGroup
 
-__all__ = ["RunDir", "RunDirError"]
+__all__ = ["RunDir", "RunDirError", "RunFinished", "write_atomic", "fsync_tree"]
 
 _MODEL_SIDE_FILES = (
     "config.json",
@@ -40,6 +41,36 @@ class RunDirError(RuntimeError):
     pass
 
 
+class RunFinished(RunDirError):
+    """`--resume` on a run that already ended as configured: nothing to do."""
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under `path` (and the folders themselves) to disk, so a marker
+    written afterwards never points at data still in the page cache."""
+    for p in sorted(path.rglob("*"), reverse=True) + [path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write-new-then-rename: a crash leaves the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -50,24 +81,63 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
         self.final = self.path / "final"
 
-    def check(self, resume: bool = False, overwrite: bool = False) -> bool:
-        """Refuse what `prepare` would refuse; True if the folder exists with content."""
-        exists = self.path.exists() and any(self.path.iterdir())
+    def has_results(self) -> bool:
+        """Anything a run produced (a start that failed before its first record leaves
+        only config.yaml and empty logs behind: that folder does not block a retry)."""
+        if not self.path.is_dir():
+            return False
+        for p in self.path.iterdir():
+            if p.name == self.config.name:
+                continue
+            if p.is_dir() and any(p.iterdir()):
+                return True
+            if p.is_file() and p.stat().st_size > 0:
+                return True
+        return False
+
+    def check(self, resume: bool = False, overwrite: bool = False, total_steps: int | None = None) -> bool:
+        """Refuse what `prepare` would refuse (before anything starts); True if the folder
+        holds results. Raises `RunFinished` for `--resume` on a run that already reached
+        `total_steps`."""
+        if resume and overwrite:
+            raise RunDirError("--resume and --overwrite contradict each other: --resume continues the run in "
+                              f"{self.path}, --overwrite deletes it; pass one")
+        exists = self.has_results()
         if exists and not (resume or overwrite):
             raise RunDirError(
                 f"run folder {self.path} already exists; pass --resume to continue it or --overwrite to replace it"
             )
-        if resume and exists and not self.latest_checkpoint():
-            raise RunDirError(f"--resume: {self.path} has no checkpoint to resume from")
+        if resume and not self.path.is_dir():
+            raise RunDirError(f"--resume: there is no run folder at {self.path}")
+        if resume and not self.latest_checkpoint():
+            raise RunDirError(f"--resume: {self.path} has no complete checkpoint to resume from")
+        if resume and total_steps is not None and self.finished_at(total_steps) is not None:
+            raise RunFinished(f"the run in {self.path} already finished at v{self.finished_at(total_steps)} "
+                              f"(train.total_steps={total_steps}); nothing to resume. Raise train.total_steps "
+                              "to train further.")
         return exists
+
+    def finished_at(self, total_steps: int) -> int | None:
+        """The version a finished run ended at, if its summary is written and it reached
+        `total_steps` (a run that stopped early is not finished)."""
+        ckpt = self.latest_checkpoint()
+        if ckpt is None or not self.metrics.is_file():
+            return None
+        version = int(json.loads((ckpt / "orchestrator.json").read_text())["version"])
+        if version < total_steps:
+            return None
+        for line in self.metrics.read_text().splitlines()[::-1]:
+            if '"kind":"summary"' in line.replace(" ", ""):
+                return version
+        return None
 
     def prepare(self, cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> None:
         """Create (or reopen for resume) the folder and write the resolved config."""
-        exists = self.check(resume, overwrite)
-        if overwrite and exists and not resume:
-            shutil.rmtree(self.path)
+        self.check(resume, overwrite, cfg.train.total_steps)
+        if self.path.is_dir() and not resume:
+            shutil.rmtree(self.path)  # --overwrite, or a failed start's leftovers
         self.path.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(dump_config(cfg))
+        write_atomic(self.config, dump_config(cfg))
 
     # ---- checkpoints ------------------------------------------------------------------
     def checkpoint_dir(self, version: int) -> Path:
@@ -81,8 +151,10 @@ class RunDir:
 
     @staticmethod
     def mark_complete(ckpt: Path, meta: dict[str, Any]) -> None:
-        (ckpt / "orchestrator.json").write_text(json.dumps(meta))
-        (ckpt / "COMPLETE").write_text("ok\n")
+        """The completion marker goes last, after everything before it is on disk."""
+        write_atomic(ckpt / "orchestrator.json", json.dumps(meta))
+        fsync_tree(ckpt)
+        write_atomic(ckpt / "COMPLETE", "ok\n")
 
     def prune_checkpoints(self, keep: int = 2) -> None:
         done = sorted(p for p in self.checkpoints.iterdir() if (p / "COMPLETE").is_file())
@@ -106,7 +178,7 @@ class RunDir:
                 if rec.get("kind") == "train_step" and rec.get("step", 0) > version:
                     continue
                 keep.append(line)
-            self.metrics.write_text("".join(k + "\n" for k in keep))
+            write_atomic(self.metrics, "".join(k + "\n" for k in keep))
         if self.trajectories.is_file():
             keep = []
             for line in self.trajectories.read_text().splitlines():
@@ -116,7 +188,7 @@ class RunDir:
                     continue
                 if rec.get("consumed_at_version", 0) < version:
                     keep.append(line)
-            self.trajectories.write_text("".join(k + "\n" for k in keep))
+            write_atomic(self.trajectories, "".join(k + "\n" for k in keep))
         if self.weights.is_dir():
             for p in self.weights.iterdir():
                 if p.name.startswith("v") and p.name[1:].isdigit() and int(p.name[1:]) > version:
@@ -164,6 +236,7 @@ def save_hf_folder(out: Path, state: dict[str, Any], model_path: str | Path) -> 
     # clone: tied weights share storage, which safetensors refuses to save
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    fsync_tree(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -38,11 +38,12 @@ from areal_like.core.types import (
     VersionAnnouncement,
     WeightUpdateMeta,
 )
+from areal_like.orchestration import stop
 from areal_like.orchestration.channels import ControlPublisher, DataPuller
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
 
-__all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted"]
+__all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted", "RunInterrupted"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,16 @@ class RunAborted(RuntimeError):
     """The run stopped on a fault it cannot go on through (a dead train worker, a dead
     rollout side, a full disk). The message says what happened and which checkpoint
     `--resume` continues from."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The user stopped the run (Ctrl-C, SIGTERM): a final checkpoint and the summary are
+    written; `summary` holds the counts and `hint` the --resume line."""
+
+    def __init__(self, summary: dict[str, int], hint: str) -> None:
+        super().__init__(hint)
+        self.summary = summary
+        self.hint = hint
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -149,6 +160,8 @@ class TrainerController:
         through raises `RunAborted`, saying which checkpoint `--resume` continues from."""
         try:
             return self._run()
+        except KeyboardInterrupt:
+            raise self._stop_on_interrupt() from None
         except RunAborted:
             self._announce_stop()
             raise
@@ -159,6 +172,16 @@ class TrainerController:
                 raise RunAborted(f"no space left on device{where}: the run stopped at v{self.trainer.version}. "
                                  f"Free some space, then: {self._resume_hint()}") from e
             raise
+
+    def _stop_on_interrupt(self) -> RunInterrupted:
+        """Ctrl-C: tell the rollout side (goodbye), save the whole state, collect the rollout
+        side's final counts briefly and write the summary, so the run reads as stopped,
+        not crashed, and `--resume` continues it."""
+        log.warning("stop requested at v%d: writing a final checkpoint and the summary", self.trainer.version)
+        self._announce_stop()
+        self._abort_checkpoint()
+        summary = self._finish(wait_s=10.0, reason="interrupted")
+        return RunInterrupted(summary, self._resume_hint())
 
     def _announce_stop(self) -> None:
         """Best effort: tell a separately started rollout side the run is over."""
@@ -184,20 +207,21 @@ class TrainerController:
                 continue
             self.idle_s += time.time() - t_wait
             t0 = time.time()
-            stats = self._train_step(groups, v)
-            skipped = self.trainer.version == v
-            rec = self.telemetry.train_step(groups, v, self.trainer.version, skipped, stats, self.buffer)
-            if not skipped and self._due(cfg.weight_sync.every_n_steps):
-                self._publish_weights(rec)
-            else:
-                self._announce(force=True)
-            self.busy_s += time.time() - t0
-            self.telemetry.write_step(rec, self.idle_s / max(self.idle_s + self.busy_s, 1e-9),
-                                      self.rollout.loaded_version if self.rollout is not None else None)
-            if self.on_step is not None:
-                self.on_step(rec)
-            if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
-                self.checkpoint()
+            with stop.critical():  # a Ctrl-C here is raised once the step is whole
+                stats = self._train_step(groups, v)
+                skipped = self.trainer.version == v
+                rec = self.telemetry.train_step(groups, v, self.trainer.version, skipped, stats, self.buffer)
+                if not skipped and self._due(cfg.weight_sync.every_n_steps):
+                    self._publish_weights(rec)
+                else:
+                    self._announce(force=True)
+                self.busy_s += time.time() - t0
+                self.telemetry.write_step(rec, self.idle_s / max(self.idle_s + self.busy_s, 1e-9),
+                                          self.rollout.loaded_version if self.rollout is not None else None)
+                if self.on_step is not None:
+                    self.on_step(rec)
+                if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
+                    self.checkpoint()
             t_wait = time.time()
         return self._finish()
 
@@ -380,7 +404,7 @@ class TrainerController:
         self.run_dir.mark_complete(ckpt, {"version": v, "time": time.time()})
         self.run_dir.prune_checkpoints(keep=2)
 
-    def _finish(self, wait_s: float = 60.0) -> dict[str, int]:
+    def _finish(self, wait_s: float = 60.0, reason: str = "finished") -> dict[str, int]:
         self._stopping = True
         deadline = time.time() + wait_s
         while self.final is None and time.time() < deadline:
@@ -394,7 +418,7 @@ class TrainerController:
         ok = TrajectoryBuffer.counts_add_up(summary)
         if not ok:
             log.error("outcome counts do not add up: %s", summary)
-        self.mlog.write("summary", self.trainer.version, counts_add_up=ok, **summary,
+        self.mlog.write("summary", self.trainer.version, counts_add_up=ok, ended=reason, **summary,
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary
 
