@@ -18,7 +18,7 @@ def test_existing_run_dir_is_refused(tmp_path) -> None:
     (rd.path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(RunDirError, match="already exists; pass --resume"):
         RunDir(rd.path).prepare(ExperimentConfig())
-    with pytest.raises(RunDirError, match="no checkpoint"):
+    with pytest.raises(RunDirError, match="no complete checkpoint"):
         RunDir(rd.path).prepare(ExperimentConfig(), resume=True)
     RunDir(rd.path).prepare(ExperimentConfig(), overwrite=True)
     assert not (rd.path / "metrics.jsonl").exists() and rd.config.is_file()

@@ -138,6 +138,9 @@ class RunDir:
             shutil.rmtree(self.path)  # --overwrite, or a failed start's leftovers
         self.path.mkdir(parents=True, exist_ok=True)
         write_atomic(self.config, dump_config(cfg))
+        ckpt = self.latest_checkpoint() if resume else None
+        if ckpt is not None:  # before any log is opened: the cut files are replaced, not edited
+            self.cut_back(int(json.loads((ckpt / "orchestrator.json").read_text())["version"]))
 
     # ---- checkpoints ------------------------------------------------------------------
     def checkpoint_dir(self, version: int) -> Path:

@@ -149,7 +149,6 @@ class TrainerController:
         self.started_before_resume = int(extra["accounted"])
         self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
         self.data_position = extra.get("data_position")
-        self.run_dir.cut_back(self.trainer.version)
         # The engines start from the base model: hand them the resumed weights first.
         self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
         log.info("resumed from %s at version %d (%d samples buffered)", ckpt, self.trainer.version, self.buffer.depth)
