@@ -60,7 +60,7 @@ def test_silent_trainer_stops_the_rollout_side_with_a_clear_error() -> None:
     assert time.monotonic() - t0 < 30
 
 
-def test_no_timeout_before_the_trainer_is_first_heard_and_stop_ends_cleanly() -> None:
+def test_a_late_trainer_is_waited_for_and_stop_ends_cleanly() -> None:
     async def main() -> FakeController:
         sub, ctl = FakeSubscriber(), FakeController()
 
@@ -71,8 +71,20 @@ def test_no_timeout_before_the_trainer_is_first_heard_and_stop_ends_cleanly() ->
             sub.q.put(VersionAnnouncement(version=1, stop=True))
 
         task = asyncio.create_task(late_trainer())
-        await drive_rollout(ctl, sub, peer_timeout_s=0.5)
+        await drive_rollout(ctl, sub, peer_timeout_s=5.0)
         await task
         return ctl
 
     assert asyncio.run(main()).seen == [0, 1]
+
+
+def test_a_trainer_that_never_answers_stops_the_rollout_side_with_its_address() -> None:
+    """Pointed at an address where nothing listens, the rollout side used to wait forever
+    without a word."""
+    async def main() -> None:
+        await drive_rollout(FakeController(), FakeSubscriber(), peer_timeout_s=1.0, address="tcp://10.9.9.9:5555")
+
+    t0 = time.monotonic()
+    with pytest.raises(TrainerLostError, match=r"no trainer answered at tcp://10.9.9.9:5555 within \d+s"):
+        asyncio.run(main())
+    assert time.monotonic() - t0 < 30

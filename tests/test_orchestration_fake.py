@@ -12,7 +12,7 @@ import torch
 from areal_like.core.config import load_config
 from areal_like.core.metrics import MetricsLog, read_jsonl
 from areal_like.core.staleness import StalenessGate
-from areal_like.core.types import SamplingParams, WeightUpdateMeta
+from areal_like.core.types import Origin, SamplingParams, WeightUpdateMeta
 from areal_like.orchestration.bridge import drive_rollout, make_sender
 from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
 from areal_like.orchestration.dataset import PromptSource
@@ -160,15 +160,17 @@ def test_silent_rollout_side_stops_the_trainer_with_a_checkpoint(tmp_path) -> No
     from areal_like.orchestration.trainer_controller import RunAborted
 
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "train.total_steps=5", "train.batch_size=2",
-                             "rollout.group_size=4", "transport.peer_timeout_s=1.5"])
+                             "rollout.group_size=4", "transport.peer_timeout_s=1.5",
+                             "transport.peer_dead_s=0.5"])
     rd = RunDir(cfg.run.dir)
     rd.prepare(cfg, resume=False)
     puller = DataPuller("tcp://127.0.0.1:0")
     publisher = ControlPublisher("tcp://127.0.0.1:0")
     tc = TrainerController(cfg, trainer=FakeTrainer(), weights=FakeWeights(), puller=puller, publisher=publisher,
-                           run_dir=rd, mlog=MetricsLog(rd.metrics), model_path=tmp_path)
+                           run_dir=rd, mlog=MetricsLog(rd.metrics), model_path=tmp_path, run_id="r1")
     pusher = DataPusher(puller.addr)
-    pusher.send(RolloutStats(kind="stats", time=time.time(), loaded_version=0, started=0, running=0))
+    pusher.send(RolloutStats(kind="stats", time=time.time(), loaded_version=0, started=0, running=0,
+                             origin=Origin(run_id="r1", epoch=0, sender="rollout-a")))
     t0 = time.time()
     with pytest.raises(RunAborted, match="rollout side has sent nothing") as info:
         tc.run()

@@ -360,10 +360,15 @@ class TransportConfig(_Section):
     """Shared secret required on both channels when they listen beyond 127.0.0.1."""
     max_frame_mb: float = Field(256.0, gt=0.0)
     """Frames larger than this are refused."""
+    heartbeat_s: float = Field(2.0, gt=0.0)
+    """Both sides send something at least this often (the trainer re-announces, also while
+    it trains; the rollout side reports its numbers)."""
+    peer_dead_s: float = Field(15.0, gt=0.0)
+    """A peer silent this long is declared gone and logged at once; the other side then
+    waits up to `peer_timeout_s` for it to come back (or for a new one to join)."""
     peer_timeout_s: float = Field(600.0, gt=0.0)
-    """The rollout side stops with an error when the trainer, once heard, has announced
-    nothing for this long (a trainer killed without a word). Keep it above the longest
-    train step + weight publish: announcements pause while the trainer trains."""
+    """How long a side waits for a gone (or never seen) peer before it stops with an error:
+    the trainer checkpoints first and says how to resume."""
 
 
 class PoolConfig(_Section):

@@ -103,6 +103,11 @@ class StalenessGate:
         """The engines now serve `version` (capacity follows what is loaded)."""
         self.s.version = max(self.s.version, version)
 
+    def rebase(self) -> None:
+        """A new trainer epoch: its announcements carry the counts from its checkpoint
+        (`sent_base`, consumed, dropped); what this side sent before is not its to count."""
+        self.s = GateState(rejected_at_gate=self.s.rejected_at_gate)
+
     def state_dict(self) -> dict[str, int]:
         return asdict(self.s)
 

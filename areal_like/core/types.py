@@ -26,6 +26,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "RolloutStats",
+    "Origin",
     "GateSnapshot",
     "EpisodeOutcomes",
     "RolloutCounters",
@@ -220,6 +221,22 @@ class Trajectory(_Strict):
         return sum(self.response_mask)
 
 
+class Origin(_Strict):
+    """Who sent a data frame, for which run and trainer epoch (docs/design.md §10.7).
+
+    The trainer refuses (and logs and counts, never trains on) frames of another run,
+    of an older trainer epoch, or of a second rollout controller. `started` is the
+    sender's cumulative episode count in this epoch when it sent the frame: if the
+    sender dies, the trainer still knows how many of its episodes never arrived.
+    """
+
+    run_id: str
+    epoch: int = Field(ge=0)
+    sender: str
+    seq: int = Field(0, ge=0)
+    started: int = Field(0, ge=0)
+
+
 class TrajectoryGroup(_Strict):
     """The `group_size` episodes of one prompt, sent together (groups are admitted whole).
 
@@ -233,6 +250,7 @@ class TrajectoryGroup(_Strict):
     failed: int = Field(0, ge=0)
     rejected: int = Field(0, ge=0)
     failure_reasons: list[str] = Field(default_factory=list)
+    origin: Origin | None = None
 
     @property
     def size(self) -> int:
@@ -312,6 +330,7 @@ class RolloutStats(_Strict):
     """Where the prompt stream stands (what a checkpoint stores for `--resume`)."""
     counters: RolloutCounters = Field(default_factory=RolloutCounters)
     eval: EvalResult | None = None
+    origin: Origin | None = None
 
     def flat(self) -> dict[str, float]:
         """One flat record for metrics.jsonl and the dashboard (`gate_*`, `outcome_*`,
@@ -344,7 +363,15 @@ class VersionAnnouncement(_Strict):
     """Where the rollout side's prompt stream resumes (set after `--resume`); applied once,
     before the first episode is admitted."""
     stop: bool = False
-    """The run is over: the rollout side stops admitting, cancels what runs, reports final counts."""
+    """Goodbye: the run is over (or the trainer is stopping): the rollout side stops admitting,
+    cancels what runs, reports final counts and exits."""
+    run_id: str = ""
+    """The run this trainer serves (stable across resumes)."""
+    epoch: int = Field(0, ge=0)
+    """Bumped on every trainer start: a rollout side that sees a newer epoch re-bases its
+    gate, counts and version on this announcement."""
+    rollout_id: str | None = None
+    """The rollout controller this trainer accepted in this epoch; any other is refused."""
 
 
 class TensorMeta(_Strict):

@@ -37,31 +37,57 @@ class TrainerLostError(RuntimeError):
 
 
 async def drive_rollout(controller: RolloutController, subscriber: ControlSubscriber,
-                        peer_timeout_s: float | None = None) -> None:
-    """Run the controller until the trainer announces the end (or the task is cancelled).
+                        peer_timeout_s: float | None = None, peer_dead_s: float | None = None,
+                        address: str = "the control address") -> None:
+    """Run the controller until the trainer says goodbye (or the task is cancelled).
 
-    Once the trainer has been heard, silence longer than `peer_timeout_s` stops the
-    controller and raises `TrainerLostError`: a trainer killed without announcing the
-    end must not leave the rollout side running forever.
+    The trainer heartbeats every couple of seconds. Silence longer than `peer_dead_s`
+    is logged at once (the trainer is declared gone); the controller keeps its state
+    and goes on if the trainer comes back (a restarted trainer re-bases it through a
+    newer epoch). Silence longer than `peer_timeout_s` — or no trainer ever heard at
+    `address` for that long — stops the controller and raises `TrainerLostError`.
     """
     loop = asyncio.get_running_loop()
     stop = threading.Event()
-    lost: list[float] = []
+    lost: list[str] = []
 
     def listen() -> None:
+        started = time.monotonic()
         last: float | None = None
+        gone = False
+        next_note = started + 10.0
         while not stop.is_set():
             msg = subscriber.recv(0.2)
             now = time.monotonic()
             if isinstance(msg, VersionAnnouncement):
+                if gone:
+                    log.warning("the trainer is back after %.0fs of silence", now - (last or now))
+                    gone = False
                 last = now
                 loop.call_soon_threadsafe(controller.announcements.put_nowait, msg)
-            elif msg is not None:
+                continue
+            if msg is not None:
                 log.warning("unexpected message on the control channel: %s", type(msg).__name__)
-            elif peer_timeout_s is not None and last is not None and now - last > peer_timeout_s:
-                lost.append(now - last)
-                log.error("no announcement from the trainer for %.0fs (transport.peer_timeout_s): stopping",
-                          now - last)
+                continue
+            if last is None:
+                if now >= next_note:
+                    next_note = now + 10.0
+                    log.warning("no trainer has answered at %s for %.0fs (is `areal-like train` running there?); "
+                                "waiting up to transport.peer_timeout_s", address, now - started)
+                if peer_timeout_s is not None and now - started > peer_timeout_s:
+                    lost.append(f"no trainer answered at {address} within {now - started:.0f}s "
+                                "(transport.peer_timeout_s): check transport.control_addr and that the trainer runs")
+                    loop.call_soon_threadsafe(controller.stop)
+                    return
+                continue
+            silent = now - last
+            if peer_dead_s is not None and not gone and silent > peer_dead_s:
+                gone = True
+                log.error("the trainer has been silent for %.0fs (transport.peer_dead_s): declared gone; "
+                          "waiting up to transport.peer_timeout_s for it to come back", silent)
+            if peer_timeout_s is not None and silent > peer_timeout_s:
+                lost.append(_lost_message(silent))
+                log.error("no announcement from the trainer for %.0fs (transport.peer_timeout_s): stopping", silent)
                 loop.call_soon_threadsafe(controller.stop)
                 return
 
@@ -71,13 +97,13 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
         await controller.run()
     except Exception as e:
         if lost:
-            raise TrainerLostError(_lost_message(lost[0])) from e
+            raise TrainerLostError(lost[0]) from e
         raise
     finally:
         stop.set()
         await asyncio.to_thread(t.join, 2.0)
     if lost:
-        raise TrainerLostError(_lost_message(lost[0]))
+        raise TrainerLostError(lost[0])
 
 
 def _lost_message(silent_s: float) -> str:

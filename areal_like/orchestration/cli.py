@@ -130,6 +130,7 @@ def rollout(
 ) -> None:
     """Run the rollout cluster only; it connects to the trainer's data/control addresses."""
     from areal_like.orchestration.bridge import TrainerLostError
+    from areal_like.orchestration.rollout_controller import RolloutRefused
     from areal_like.orchestration.rollout_side import RolloutSide
 
     cfg = _load(config, set_)
@@ -138,7 +139,7 @@ def rollout(
         out = RolloutSide(cfg).run()
     except ConfigError as e:
         _fail(str(e))
-    except TrainerLostError as e:
+    except (TrainerLostError, RolloutRefused) as e:
         _fail(str(e), code=1)
     typer.echo(f"rollout side stopped: {out}")
 

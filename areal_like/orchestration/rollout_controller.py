@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from areal_like.core.types import (
     EpisodeOutcomes,
     EvalResult,
     GateSnapshot,
+    Origin,
     RolloutCounters,
     RolloutStats,
     SamplingParams,
@@ -40,9 +42,14 @@ from areal_like.core.types import (
 )
 from areal_like.orchestration.dataset import PromptSource
 
-__all__ = ["RolloutController"]
+__all__ = ["RolloutController", "RolloutRefused"]
 
 log = logging.getLogger(__name__)
+
+class RolloutRefused(RuntimeError):
+    """The trainer accepted another rollout controller for this run (one per run,
+    docs/design.md §10.2): this one stops instead of feeding samples nobody counts."""
+
 
 RunEpisode = Callable[[dict[str, Any], SamplingParams, str], Awaitable[AgentLoopOutput | None]]
 Score = Callable[[dict[str, Any], AgentLoopOutput], Awaitable[float]]
@@ -96,6 +103,15 @@ class RolloutController:
         self._stop = asyncio.Event()
         self._group_seq = 0
         self._incarnation = 0
+        self.sender = uuid.uuid4().hex[:12]
+        """This controller's id on the wire (one per start)."""
+        self.run_id: str | None = None
+        self.epoch = 0
+        """The trainer epoch this side follows; frames are stamped with it."""
+        self._seq = 0
+        self._awaiting_weights = False
+        """After a trainer restart: admit nothing until its weights are loaded."""
+        self._ignored_runs: set[str] = set()
         """Trainer version when this rollout side started: episode ids stay unique across resumes."""
         self._sending: set[str] = set()
         self._eval_tasks: list[asyncio.Task[None]] = []
@@ -111,7 +127,7 @@ class RolloutController:
             self._start_eval(self.loaded_version)
         try:
             while not self._stop.is_set():
-                while not self._stop.is_set() and self.gate.try_admit(self.n):
+                while not self._stop.is_set() and not self._awaiting_weights and self.gate.try_admit(self.n):
                     self._spawn_group(self.source.next())
                 self._wake.clear()
                 if control.done():
@@ -128,7 +144,7 @@ class RolloutController:
         self._wake.set()
 
     def _spawn_group(self, row: dict[str, Any]) -> None:
-        gid = f"s{self.seed}-r{self._incarnation}-g{self._group_seq}"
+        gid = f"s{self.seed}-r{self._incarnation}{f'e{self.epoch}' if self.epoch else ''}-g{self._group_seq}"
         self._group_seq += 1
         self.started += self.n
         task = asyncio.create_task(self._run_group(row, gid), name=gid)
@@ -136,6 +152,7 @@ class RolloutController:
         task.add_done_callback(self._groups.discard)
 
     async def _run_group(self, row: dict[str, Any], gid: str) -> None:
+        epoch = self.epoch
         results = await asyncio.gather(*(self._episode(row, gid, i) for i in range(self.n)))
         self._sending.add(gid)  # from here on the group is delivered, not cancelled
         trajs = [r for r in results if isinstance(r, Trajectory)]
@@ -144,7 +161,10 @@ class RolloutController:
         group = TrajectoryGroup(
             group_id=gid, trajectories=trajs, failed=len(reasons), rejected=rejected, failure_reasons=reasons[:4]
         )
-        await self.send(group)
+        await self.send(self._stamp(group))
+        if epoch != self.epoch:  # the trainer restarted meanwhile: the old epoch's, not counted here
+            self._sending.discard(gid)
+            return
         self.outcomes["sent"] += len(trajs)
         self.outcomes["rejected"] += rejected
         self.outcomes["failed"] += len(reasons)
@@ -183,17 +203,21 @@ class RolloutController:
 
     # ---- control: announcements and weights ------------------------------------------------
     async def _first_announcement(self) -> None:
-        """Admit nothing before the trainer has spoken: it may be resuming at a later
-        version (whose weights must be loaded first) and a later data position."""
+        """Admit nothing before the trainer has spoken: it may be at a later version (a
+        resume, or this side joining a running trainer) whose weights must be loaded
+        first, and at a later data position. A first report introduces this controller,
+        so the trainer accepts it and hands it the current weights."""
         ann = await self.announcements.get()
         self._incarnation = ann.version
+        self.run_id, self.epoch = ann.run_id, ann.epoch
         if self.join_weights is not None:
             await self.join_weights(ann)
         if ann.data_position is not None:
             self.source.load_state_dict(ann.data_position)
             self._group_seq = int(ann.data_position.get("group_seq", self._group_seq))
         await self._apply_announcement(ann)
-        while self.loaded_version < ann.version and ann.weights is not None and not self._stop.is_set():
+        await self.send(self._stamp(self._stats()))  # hello: the trainer accepts us and sends its weights
+        while self.loaded_version < ann.version and not self._stop.is_set():
             ann = await self.announcements.get()
             await self._apply_announcement(ann)
 
@@ -202,6 +226,19 @@ class RolloutController:
             await self._apply_announcement(await self.announcements.get())
 
     async def _apply_announcement(self, ann: VersionAnnouncement) -> None:
+        if ann.run_id != self.run_id:
+            if ann.run_id not in self._ignored_runs:
+                self._ignored_runs.add(ann.run_id)
+                log.error("ignoring announcements of another run (%s; this side follows %s)", ann.run_id, self.run_id)
+            return
+        if ann.epoch < self.epoch:
+            return  # an older trainer incarnation still publishing: not ours to follow
+        if ann.epoch > self.epoch:
+            await self._rebase(ann)
+        if ann.rollout_id is not None and ann.rollout_id != self.sender:
+            raise RolloutRefused(f"the trainer of run {ann.run_id} already has a rollout controller ({ann.rollout_id}); "
+                                 "one rollout controller per run: stop the other one first, or point this one at "
+                                 "another trainer")
         self.gate.on_trainer_counts(ann.consumed, ann.dropped, ann.sent_base)
         meta = ann.weights
         if meta is not None and meta.version > self.loaded_version:
@@ -212,12 +249,38 @@ class RolloutController:
             else:
                 self.loaded_version = version
                 self.gate.set_loaded_version(version)
+                self._awaiting_weights = False
                 if self.eval_every and version % self.eval_every == 0:
                     self._start_eval(version)
         if ann.stop:
             self._start_eval(self.loaded_version)  # the final version is always evaluated
             self.stop()
         self._wake.set()
+
+    async def _rebase(self, ann: VersionAnnouncement) -> None:
+        """The trainer restarted (a newer epoch, after `--resume`): what runs belongs to
+        the old epoch's accounting, which the new trainer restarted from its checkpoint.
+        Cancel it, start counting afresh, re-base the gate on the announcement and admit
+        nothing until the new trainer's weights are loaded (docs/design.md §10.3)."""
+        running = [t for t in self._groups if t.get_name() not in self._sending]
+        log.warning("the trainer restarted (epoch %d -> %d, at v%d): cancelling %d running groups of the old epoch "
+                    "and re-basing on its announcement", self.epoch, ann.epoch, ann.version, len(running))
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        self.epoch = ann.epoch
+        self._incarnation = ann.version
+        self.started = 0
+        self.cancelled = 0
+        self.outcomes = {k: 0 for k in self.outcomes}
+        self.gate.rebase()
+        self.loaded_version = -1
+        self._awaiting_weights = True
+        if self.join_weights is not None:
+            await self.join_weights(ann)
+        if ann.data_position is not None:
+            self.source.load_state_dict(ann.data_position)
+            self._group_seq = int(ann.data_position.get("group_seq", self._group_seq))
 
     # ---- reporting ------------------------------------------------------------------------
     def _stats(self, kind: Literal["stats", "final"] = "stats") -> RolloutStats:
@@ -234,10 +297,16 @@ class RolloutController:
             counters=self.counters(),
         )
 
+    def _stamp(self, msg: TrajectoryGroup | RolloutStats) -> TrajectoryGroup | RolloutStats:
+        self._seq += 1
+        msg.origin = Origin(run_id=self.run_id or "", epoch=self.epoch, sender=self.sender, seq=self._seq,
+                            started=self.started)
+        return msg
+
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(self.stats_every_s)
-            await self.send(self._stats())
+            await self.send(self._stamp(self._stats()))
 
     def _start_eval(self, version: int) -> None:
         if self.eval_rows and version not in self._evaluated:
@@ -268,7 +337,7 @@ class RolloutController:
             eval=EvalResult(accuracy=acc, reward_mean=sum(scores) / max(len(scores), 1), seconds=time.time() - t0,
                             num_samples=len(scores)),
         )
-        await self.send(stats)
+        await self.send(self._stamp(stats))
 
     async def _shutdown(self, control: asyncio.Task[None], stats: asyncio.Task[None]) -> None:
         for t in (control, stats):
@@ -285,7 +354,7 @@ class RolloutController:
         await asyncio.gather(*running, control, stats, *self._eval_tasks, return_exceptions=True)
         self.cancelled = self.gate.s.running
         self.gate.on_cancel(self.cancelled)
-        await self.send(self._stats("final"))
+        await self.send(self._stamp(self._stats("final")))
 
     # ---- recovery ---------------------------------------------------------------------------
     def data_position(self) -> dict[str, int]:

@@ -84,7 +84,8 @@ class RolloutSide:
             seed=cfg.run.seed,
         )
         try:
-            await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s)
+            await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
+                                address=self.control_addr)
         finally:
             for s in self.servers:
                 await s.close()

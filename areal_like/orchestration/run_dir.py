@@ -80,6 +80,7 @@ class RunDir:
         self.weights = self.path / "weights"
         self.checkpoints = self.path / "checkpoints"
         self.final = self.path / "final"
+        self.identity = self.path / "run.json"
 
     def has_results(self) -> bool:
         """Anything a run produced (a start that failed before its first record leaves
@@ -87,7 +88,7 @@ class RunDir:
         if not self.path.is_dir():
             return False
         for p in self.path.iterdir():
-            if p.name == self.config.name:
+            if p.name in (self.config.name, self.identity.name):
                 continue
             if p.is_dir() and any(p.iterdir()):
                 return True
@@ -141,6 +142,17 @@ class RunDir:
         ckpt = self.latest_checkpoint() if resume else None
         if ckpt is not None:  # before any log is opened: the cut files are replaced, not edited
             self.cut_back(int(json.loads((ckpt / "orchestrator.json").read_text())["version"]))
+
+    def start_epoch(self) -> tuple[str, int]:
+        """This run's id (made on its first start) and a new trainer epoch for this start:
+        frames of earlier trainer incarnations are then told apart (docs/design.md §10.3)."""
+        import uuid
+
+        state = json.loads(self.identity.read_text()) if self.identity.is_file() else {"run_id": uuid.uuid4().hex[:12],
+                                                                                        "epoch": -1}
+        state["epoch"] = int(state["epoch"]) + 1
+        write_atomic(self.identity, json.dumps(state))
+        return str(state["run_id"]), state["epoch"]
 
     # ---- checkpoints ------------------------------------------------------------------
     def checkpoint_dir(self, version: int) -> Path:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +42,7 @@ from areal_like.core.types import (
 )
 from areal_like.orchestration import stop
 from areal_like.orchestration.channels import ControlPublisher, DataPuller
+from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
 
@@ -107,6 +110,8 @@ class TrainerController:
         model_path: str | Path,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         check_peers: Callable[[], None] | None = None,
+        run_id: str | None = None,
+        epoch: int = 0,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -121,10 +126,13 @@ class TrainerController:
         self.check_peers = check_peers
         """Raises if the rollout side (when this process knows it) has died."""
         self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
+        self.peers = RolloutPeers(run_id or uuid.uuid4().hex[:12], epoch, dead_s=cfg.transport.peer_dead_s,
+                                  timeout_s=cfg.transport.peer_timeout_s)
+        self._last_ann: VersionAnnouncement | None = None
+        self._beat_stop = threading.Event()
         self.started_before_resume = 0
         self.sent_base = 0
         self.rollout: RolloutStats | None = None
-        self.final: RolloutStats | None = None
         self.data_position: dict[str, int] | None = None
         self.last_meta: WeightUpdateMeta | None = None
         self.resumed_meta: WeightUpdateMeta | None = None
@@ -157,6 +165,8 @@ class TrainerController:
     def run(self) -> dict[str, int]:
         """Train to `train.total_steps` and write the summary. A fault the run cannot go on
         through raises `RunAborted`, saying which checkpoint `--resume` continues from."""
+        beat = threading.Thread(target=self._heartbeat, name="trainer-heartbeat", daemon=True)
+        beat.start()
         try:
             return self._run()
         except KeyboardInterrupt:
@@ -171,6 +181,22 @@ class TrainerController:
                 raise RunAborted(f"no space left on device{where}: the run stopped at v{self.trainer.version}. "
                                  f"Free some space, then: {self._resume_hint()}") from e
             raise
+        finally:
+            self._beat_stop.set()
+            beat.join(timeout=5)
+
+    def _heartbeat(self) -> None:
+        """Re-publish the latest announcement every `transport.heartbeat_s`, also while a
+        train step runs, so the rollout side can tell a busy trainer from a dead one. The
+        repeat carries no weights (a transfer is announced once, by the schedule)."""
+        while not self._beat_stop.wait(self.cfg.transport.heartbeat_s):
+            ann = self._last_ann
+            if ann is not None:
+                try:
+                    self.publisher.publish(ann.model_copy(update={"weights": None}))
+                except Exception as e:  # the channel is closing: the schedule reports what matters
+                    log.debug("heartbeat not sent: %s", e)
+                    return
 
     def _stop_on_interrupt(self) -> RunInterrupted:
         """Ctrl-C: tell the rollout side (goodbye), save the whole state, collect the rollout
@@ -278,14 +304,13 @@ class TrainerController:
             self._resend_resumed_weights()
         self._resend_if_rollout_stuck()
         self._announce(weights=self.resumed_meta if self.rollout is None else None)
-        if self.check_peers is not None or self._rollout_at:
-            try:
-                if self.check_peers is not None:
-                    self.check_peers()
-                self._check_rollout_alive()
-            except Exception as e:  # the trainer's state is whole: save it before stopping
-                self._abort_checkpoint()
-                raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
+        try:
+            if self.check_peers is not None:
+                self.check_peers()
+            self.peers.check()
+        except Exception as e:  # the trainer's state is whole: save it before stopping
+            self._abort_checkpoint()
+            raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
 
     def _abort_checkpoint(self) -> None:
         try:
@@ -310,15 +335,17 @@ class TrainerController:
         self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
         self._announce(weights=self.resumed_meta, force=True)
 
-    def _check_rollout_alive(self) -> None:
-        """A rollout side once heard and now silent past `transport.peer_timeout_s` (its
-        stats loop reports every second or two) is gone: in split mode nothing else would
-        notice, and the trainer would wait for data forever."""
-        if not self._rollout_at or (self.rollout is not None and self.rollout.kind == "final"):
-            return
-        silent = time.time() - self._rollout_at
-        if silent > self.cfg.transport.peer_timeout_s:
-            raise RuntimeError(f"the rollout side has sent nothing for {silent:.0f}s (transport.peer_timeout_s)")
+    def _welcome(self, sender: str) -> None:
+        """A rollout controller joined (or came back) while the trainer is past v0: hand it
+        the current weights now, or everything it makes is over-stale until it catches up."""
+        self.peers.joined = None
+        v = self.trainer.version
+        if v == 0 or self._stopping or (self.resumed_meta is not None and self.rollout is None):
+            return  # the base weights, or the resumed ones already being re-sent
+        log.info("sending v%d to rollout controller %s", v, sender)
+        self.last_meta = self.weights.send(v, self.trainer.named_weights())
+        self._sent_at = time.time()
+        self._announce(weights=self.last_meta, force=True)
 
     def _resend_if_rollout_stuck(self) -> None:
         """A rollout side that missed a version (its receiver stalled past the timeout, or
@@ -352,18 +379,21 @@ class TrainerController:
         if not force and now - self._last_announce < 0.5:
             return
         self._last_announce = now
-        self.publisher.publish(
-            VersionAnnouncement(
-                version=self.trainer.version,
-                consumed=self.buffer.consumed,
-                dropped=self.buffer.dropped_sent,
-                sent_base=self.sent_base,
-                weights=weights,
-                weight_store=self.weights.rendezvous,
-                data_position=data_position,
-                stop=self._stopping,
-            )
+        ann = VersionAnnouncement(
+            version=self.trainer.version,
+            consumed=self.buffer.consumed,
+            dropped=self.buffer.dropped_sent,
+            sent_base=self.sent_base,
+            weights=weights,
+            weight_store=self.weights.rendezvous,
+            data_position=data_position,
+            stop=self._stopping,
+            run_id=self.peers.run_id,
+            epoch=self.peers.epoch,
+            rollout_id=self.peers.accepted,
         )
+        self._last_ann = ann
+        self.publisher.publish(ann)
 
     def _drain(self, timeout_s: float) -> None:
         msg = self.puller.recv(timeout_s)
@@ -372,20 +402,23 @@ class TrainerController:
             msg = self.puller.recv(0)
 
     def _handle(self, msg: Any) -> None:
+        if not isinstance(msg, (TrajectoryGroup, RolloutStats)):
+            log.warning("unexpected message on the data channel: %s", type(msg).__name__)
+            return
+        if not self.peers.admit(msg, self._stopping):
+            return
+        if self.peers.joined is not None:
+            self._welcome(self.peers.joined)
         if isinstance(msg, TrajectoryGroup):
             self.buffer.put(msg)
             self.telemetry.m.buffer_depth.set(self.buffer.depth)
         elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
             self.telemetry.evaluation(msg, self.trainer.version)
             log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.eval.accuracy)
-        elif isinstance(msg, RolloutStats):
+        else:
             self.rollout = msg
             self._rollout_at = time.time()
-            if msg.kind == "final":
-                self.final = msg
             self.telemetry.rollout_report(msg, self.trainer.version)
-        else:
-            log.warning("unexpected message on the data channel: %s", type(msg).__name__)
 
     # ---- checkpoint and end ----------------------------------------------------------------
     def _accounted(self) -> int:
@@ -406,18 +439,19 @@ class TrainerController:
     def _finish(self, wait_s: float = 60.0, reason: str = "finished") -> dict[str, int]:
         self._stopping = True
         deadline = time.time() + wait_s
-        while self.final is None and time.time() < deadline:
+        while self.peers.accepted is not None and self.peers.accepted_final() is None and time.time() < deadline:
             self._announce(force=True)
             self._drain(timeout_s=0.2)
-        if self.final is None:
-            log.error("the rollout side did not report its final counts within %.0fs", wait_s)
-        started = self.started_before_resume + (self.final.started if self.final else self._accounted())
-        cancelled = self.final.cancelled if self.final else 0
-        summary = self.buffer.summary(started=started, cancelled=cancelled)
+        if self.peers.accepted is not None and self.peers.accepted_final() is None:
+            log.error("the rollout side did not report its final counts within %.0fs: what it started and did not "
+                      "deliver is counted as cancelled", wait_s)
+        started = self.started_before_resume + self.peers.started()
+        summary = self.buffer.summary(started=started, cancelled=self.peers.cancelled())
         ok = TrajectoryBuffer.counts_add_up(summary)
         if not ok:
             log.error("outcome counts do not add up: %s", summary)
         self.mlog.write("summary", self.trainer.version, counts_add_up=ok, ended=reason, **summary,
+                        refused_frames=dict(self.peers.refused),
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary
 

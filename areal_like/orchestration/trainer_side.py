@@ -32,6 +32,7 @@ class TrainerSide:
         self.model_path = resolve_model_path(cfg)
         self.run_dir = RunDir(cfg.run.dir)
         self.run_dir.prepare(cfg, resume=resume, overwrite=overwrite)
+        self.run_id, self.epoch = self.run_dir.start_epoch()
         self.registry = MetricsRegistry()
         tb = self.run_dir.path / "tensorboard" if cfg.metrics.tensorboard else None
         self.mlog = MetricsLog(self.run_dir.metrics, tb, cfg.metrics.wandb_project)
@@ -70,7 +71,7 @@ class TrainerSide:
         self.controller = TrainerController(
             cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
             run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
-            on_step=self.on_step, check_peers=self.check_peers,
+            on_step=self.on_step, check_peers=self.check_peers, run_id=self.run_id, epoch=self.epoch,
         )
         if self.resume:
             self.controller.resume()

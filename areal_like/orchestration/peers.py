@@ -1,0 +1,136 @@
+"""The trainer's view of the rollout side: who may send, who is alive, who started what.
+
+One rollout controller per run and trainer epoch (docs/design.md §10.2, §10.7). Every
+data frame carries its `Origin`; `admit` refuses — logs once per sender and reason,
+counts, and never hands to the buffer — frames of another run, of an older trainer
+epoch, without an origin, or from a second controller while the accepted one lives.
+A controller silent for `transport.peer_dead_s` is declared lost at once (a new one
+may then join, or the same one may come back); after `transport.peer_timeout_s`
+without any, `check` raises and the trainer stops with a checkpoint.
+
+Counts survive controllers coming and going: each frame carries its sender's
+cumulative `started`; a sender that said goodbye reports what it cancelled, and for
+one that vanished, what it started and never delivered is counted as cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from areal_like.core.types import Origin, RolloutStats, TrajectoryGroup
+
+__all__ = ["RolloutPeers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sender:
+    started: int = 0
+    delivered: int = 0
+    """Episodes that reached the trainer inside groups (trajectories + failed + rejected)."""
+    final: RolloutStats | None = None
+
+
+class RolloutPeers:
+    def __init__(self, run_id: str, epoch: int, *, dead_s: float, timeout_s: float, note_every_s: float = 30.0) -> None:
+        self.run_id = run_id
+        self.epoch = epoch
+        self.dead_s = dead_s
+        self.timeout_s = timeout_s
+        self.note_every_s = note_every_s
+        self.accepted: str | None = None
+        """The rollout controller this epoch listens to (announced, so others stop)."""
+        self.refused: dict[str, int] = {}
+        self.senders: dict[str, _Sender] = {}
+        self.heard_at = 0.0
+        self._since = time.time()
+        """Start of the current wait for a (new) rollout side."""
+        self._noted_at = time.time()
+        self._logged: set[tuple[str, str]] = set()
+        self.joined: str | None = None
+        """Set when a controller is accepted; the trainer hands it the current weights."""
+
+    # ---- frames ----------------------------------------------------------------------
+    def admit(self, msg: TrajectoryGroup | RolloutStats, stopping: bool) -> bool:
+        """Whether the trainer should use `msg`; refusals are logged and counted."""
+        o = msg.origin
+        reason = self._refusal(o)
+        if reason is not None:
+            self.refused[reason.split(" (")[0]] = self.refused.get(reason.split(" (")[0], 0) + 1
+            key = (o.sender if o else "?", reason)
+            if key not in self._logged:
+                self._logged.add(key)
+                log.error("refused frames from rollout controller %s: %s; they are not counted", key[0], reason)
+            return False
+        assert o is not None
+        if self.accepted is None:
+            self.accepted = self.joined = o.sender
+            log.info("rollout controller %s joined (trainer epoch %d)", o.sender, self.epoch)
+        s = self.senders.setdefault(o.sender, _Sender())
+        s.started = max(s.started, o.started)
+        self.heard_at = time.time()
+        if isinstance(msg, TrajectoryGroup):
+            s.delivered += msg.size
+        elif msg.kind == "final":
+            s.final = msg
+            if not stopping:
+                log.error("the rollout side (%s) stopped while the trainer still needs data; waiting up to "
+                          "transport.peer_timeout_s=%.0fs for a rollout side to join", o.sender, self.timeout_s)
+                self._lose()
+        return True
+
+    def _refusal(self, o: Origin | None) -> str | None:
+        if o is None:
+            return "a frame without an origin (not from a rollout controller of this version)"
+        if o.run_id != self.run_id:
+            return f"a frame of another run ({o.run_id}; this trainer serves {self.run_id})"
+        if o.epoch != self.epoch:
+            return f"a frame of another trainer epoch ({o.epoch}; this trainer is epoch {self.epoch})"
+        if self.accepted is not None and o.sender != self.accepted:
+            return f"a second rollout controller (this run's is {self.accepted}; one per run)"
+        if o.sender in self.senders and self.senders[o.sender].final is not None:
+            return "a frame after that controller's final report"
+        return None
+
+    # ---- liveness --------------------------------------------------------------------
+    def _lose(self) -> None:
+        self.accepted = None
+        self._since = self._noted_at = time.time()
+
+    def check(self) -> None:
+        """Call while waiting for data: declare a silent controller lost, say how long the
+        trainer has been waiting, raise past `peer_timeout_s`."""
+        now = time.time()
+        if self.accepted is not None:
+            silent = now - self.heard_at
+            if silent > self.dead_s:
+                log.error("the rollout side (%s) has been silent for %.0fs (transport.peer_dead_s): declared lost; "
+                          "waiting up to transport.peer_timeout_s=%.0fs for a rollout side to join",
+                          self.accepted, silent, self.timeout_s)
+                self._lose()
+                self._since = self.heard_at
+            return
+        waited = now - self._since
+        if now - self._noted_at > self.note_every_s:
+            self._noted_at = now
+            log.warning("no rollout side for %.0fs (of transport.peer_timeout_s=%.0fs)", waited, self.timeout_s)
+        if waited > self.timeout_s:
+            what = "has sent nothing" if self.senders else "never connected"
+            raise RuntimeError(f"the rollout side {what} for {waited:.0f}s (transport.peer_timeout_s)")
+
+    # ---- accounting ------------------------------------------------------------------
+    def started(self) -> int:
+        return sum(s.started for s in self.senders.values())
+
+    def cancelled(self) -> int:
+        """Episodes started and never delivered: reported by a controller that said
+        goodbye, inferred for one that vanished."""
+        return sum(s.final.cancelled if s.final is not None else max(0, s.started - s.delivered)
+                   for s in self.senders.values())
+
+    def accepted_final(self) -> RolloutStats | None:
+        s = self.senders.get(self.accepted) if self.accepted else None
+        return s.final if s is not None else None

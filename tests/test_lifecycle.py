@@ -1,0 +1,166 @@
+"""The lifecycle protocol between the clusters (docs/design.md §10.3, §10.7), with the real
+trainer and rollout controllers over real ZMQ channels and fake engines/trainers:
+
+- strangers (another run, an older epoch, unstamped frames, a second rollout controller)
+  are refused with a logged reason, counted, and never trained on;
+- a second rollout controller that joins is told so and stops with a clear error;
+- a rollout side that vanishes is declared lost after `transport.peer_dead_s`, a new one
+  joins, and the run ends with counts that add up (what the lost one started and never
+  delivered is counted as cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from areal_like.core.config import load_config
+from areal_like.core.metrics import MetricsLog, read_jsonl
+from areal_like.core.staleness import StalenessGate
+from areal_like.core.types import Origin, SamplingParams, Trajectory, TrajectoryGroup
+from areal_like.orchestration.bridge import drive_rollout, make_sender
+from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
+from areal_like.orchestration.dataset import PromptSource
+from areal_like.orchestration.rollout_controller import RolloutController, RolloutRefused
+from areal_like.orchestration.run_dir import RunDir
+from areal_like.orchestration.trainer_controller import TrainerController
+from tests.test_orchestration_fake import FakeTrainer, FakeWeights
+from tests.test_rollout_controller import FakeRollout, _rows
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Harness:
+    def __init__(self, tmp_path, steps: int = 6, *extra: str) -> None:
+        self.cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}", "train.batch_size=2",
+                                      "rollout.group_size=4", "staleness.max_staleness=1",
+                                      "transport.peer_dead_s=1.0", "transport.heartbeat_s=0.2", *extra])
+        self.rd = RunDir(self.cfg.run.dir)
+        self.rd.prepare(self.cfg)
+        self.puller = DataPuller("tcp://127.0.0.1:0")
+        self.publisher = ControlPublisher("tcp://127.0.0.1:0")
+        self.trainer = FakeTrainer()
+        self.tc = TrainerController(self.cfg, trainer=self.trainer, weights=FakeWeights(), puller=self.puller,
+                                    publisher=self.publisher, run_dir=self.rd, mlog=MetricsLog(self.rd.metrics),
+                                    model_path=tmp_path, run_id="run-a", epoch=0)
+        self.threads: list[threading.Thread] = []
+
+    def controller(self, seed: int, *, stop_after_groups: int | None = None) -> RolloutController:
+        fake = FakeRollout(seed)
+        return RolloutController(
+            gate=StalenessGate(self.cfg.samples_per_step, self.cfg.staleness.max_staleness, 16),
+            source=PromptSource(_rows(), seed=seed), group_size=self.cfg.rollout.group_size,
+            sampling=SamplingParams(), run_episode=fake.run_episode, score=fake.score, send=None,  # set in start
+            apply_weights=fake.apply_weights, loaded_version=0, seed=seed, stats_every_s=0.1,
+        )
+
+    def start(self, ctl: RolloutController, *, vanish_after_s: float | None = None) -> dict:
+        out: dict = {}
+
+        def main() -> None:
+            async def run() -> None:
+                pusher = DataPusher(self.puller.addr)
+                sub = ControlSubscriber(self.publisher.addr)
+                ctl.send = make_sender(pusher)
+                task = asyncio.create_task(drive_rollout(ctl, sub, peer_timeout_s=60, peer_dead_s=5))
+                try:
+                    if vanish_after_s is not None:  # killed without a word: no final report
+                        await asyncio.sleep(vanish_after_s)
+                        task.cancel()
+                        ctl.send = _silent
+                    await task
+                except RolloutRefused as e:
+                    out["refused"] = str(e)
+                except asyncio.CancelledError:
+                    out["vanished"] = True
+                finally:
+                    pusher.close()
+                    sub.close()
+
+            asyncio.run(run())
+
+        t = threading.Thread(target=main, daemon=True)
+        t.start()
+        self.threads.append(t)
+        return out
+
+    def finish(self) -> tuple[dict, list[dict]]:
+        summary = self.tc.run()
+        for t in self.threads:
+            t.join(30)
+            assert not t.is_alive()
+        self.puller.close()
+        self.publisher.close()
+        self.tc.mlog.close()
+        return summary, read_jsonl(self.rd.metrics)
+
+
+async def _silent(msg) -> None:  # noqa: ANN001 - a dead process sends nothing
+    await asyncio.sleep(0)
+
+
+def _group(origin: Origin | None, gid: str) -> TrajectoryGroup:
+    trajs = [Trajectory(episode_id=f"{gid}-{i}", group_id=gid, prompt_ids=[1], response_ids=[5], response_mask=[1],
+                        response_logprobs=[-0.1], response_versions=[0], reward=float(i % 2)) for i in range(4)]
+    return TrajectoryGroup(group_id=gid, trajectories=trajs, origin=origin)
+
+
+def _adds_up(summary: dict) -> bool:
+    return summary["started"] == sum(v for k, v in summary.items() if k != "started")
+
+
+def test_strangers_are_refused_logged_counted_and_never_trained(tmp_path, caplog) -> None:
+    h = Harness(tmp_path)
+    h.tc.peers.epoch = 1  # a restarted trainer (the real controller follows the announced epoch)
+    strangers = {
+        "another run": Origin(run_id="run-b", epoch=1, sender="x1", started=4),
+        "older epoch": Origin(run_id="run-a", epoch=0, sender="x2", started=4),
+        "no origin": None,
+    }
+    p = DataPusher(h.puller.addr)  # queued before the trainer drains anything
+    for name, origin in strangers.items():
+        p.send(_group(origin, f"stranger-{name.replace(' ', '-')}"))
+    p.close()
+    h.start(h.controller(0))
+    with caplog.at_level(logging.ERROR):
+        summary, recs = h.finish()
+    ids = {eid for eid in h.trainer.seen}
+    assert not any(e.startswith("stranger") for e in ids)
+    final = recs[-1]
+    assert final["refused_frames"].keys() >= {"a frame of another run", "a frame of another trainer epoch",
+                                              "a frame without an origin"}, final["refused_frames"]
+    assert "refused frames from rollout controller" in caplog.text
+    assert _adds_up(summary) and final["counts_add_up"]
+
+
+def test_a_second_rollout_controller_is_refused_and_stops(tmp_path) -> None:
+    h = Harness(tmp_path, 40)
+    first = h.start(h.controller(0))
+    time.sleep(0.5)  # the first one is accepted and announced
+    second = h.start(h.controller(1))
+    summary, recs = h.finish()
+    assert "already has a rollout controller" in second.get("refused", ""), second
+    assert "refused" not in first
+    assert _adds_up(summary) and recs[-1]["counts_add_up"]
+
+
+def test_a_vanished_rollout_side_is_declared_lost_and_a_new_one_finishes_the_run(tmp_path, caplog) -> None:
+    h = Harness(tmp_path, 30)
+    gone = h.start(h.controller(0), vanish_after_s=0.3)
+
+    def later() -> None:
+        time.sleep(3.0)  # past peer_dead_s=1: the trainer has declared the first one lost
+        h.start(h.controller(1))
+
+    threading.Thread(target=later, daemon=True).start()
+    with caplog.at_level(logging.WARNING):
+        summary, recs = h.finish()
+    assert gone.get("vanished")
+    assert "declared lost" in caplog.text
+    assert h.trainer.version == 30
+    assert _adds_up(summary) and recs[-1]["counts_add_up"], summary
+    assert summary["cancelled"] > 0  # what the vanished one started and never delivered
