@@ -88,6 +88,9 @@ class Harness:
         self.threads.append(t)
         return out
 
+    def buffer_seen(self) -> bool:
+        return self.tc.buffer.depth > 0
+
     def finish(self) -> tuple[dict, list[dict]]:
         summary = self.tc.run()
         for t in self.threads:
@@ -143,8 +146,9 @@ def test_a_second_rollout_controller_is_refused_and_stops(tmp_path) -> None:
     time.sleep(0.5)  # the first one is accepted and announced
     second = h.start(h.controller(1))
     summary, recs = h.finish()
-    assert "already has a rollout controller" in second.get("refused", ""), second
-    assert "refused" not in first
+    # whichever reached the trainer first is the run's; the other is told and stops
+    refused = [o["refused"] for o in (first, second) if "refused" in o]
+    assert len(refused) == 1 and "already has a rollout controller" in refused[0], (first, second)
     assert _adds_up(summary) and recs[-1]["counts_add_up"]
 
 
@@ -164,3 +168,26 @@ def test_a_vanished_rollout_side_is_declared_lost_and_a_new_one_finishes_the_run
     assert h.trainer.version == 30
     assert _adds_up(summary) and recs[-1]["counts_add_up"], summary
     assert summary["cancelled"] > 0  # what the vanished one started and never delivered
+
+
+def test_out_of_vocabulary_token_ids_are_refused_at_the_edge_and_counted(tmp_path, caplog) -> None:
+    """An out-of-range token id in a trajectory frame used to kill training (an index past
+    the embedding): it is refused where it arrives, its members count as failed."""
+    h = Harness(tmp_path)
+    h.tc.vocab_size = 10
+    origin = Origin(run_id="run-a", epoch=0, sender="r1", started=8)
+    bad = _group(origin, "g-bad")
+    bad.trajectories[2].response_ids = [99]
+    p = DataPusher(h.puller.addr)
+    p.send(bad)
+    p.send(_group(origin, "g-ok"))
+    with caplog.at_level(logging.ERROR):
+        for _ in range(20):
+            h.tc._drain(timeout_s=0.2)
+            if h.buffer_seen():
+                break
+    p.close()
+    assert "outside the vocabulary [0, 10)" in caplog.text
+    assert h.tc.buffer.counts["failed"] == 4 and h.tc.buffer.depth == 4
+    h.puller.close()
+    h.publisher.close()

@@ -58,6 +58,13 @@ class TrajectoryBuffer:
         self._queue.append(group)
         return None
 
+    def put_invalid(self, group: TrajectoryGroup) -> None:
+        """A group that failed a check at the trainer's edge (e.g. token ids outside the
+        vocabulary): every member counts as failed; the sent ones free their capacity."""
+        self.counts["rejected"] += group.rejected
+        self.counts["failed"] += group.failed
+        self._drop(len(group.trajectories), "failed")
+
     def _drop(self, n: int, outcome: str) -> None:
         self.counts[outcome] += n
         self.dropped_sent += n

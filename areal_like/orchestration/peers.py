@@ -131,6 +131,10 @@ class RolloutPeers:
         return sum(s.final.cancelled if s.final is not None else max(0, s.started - s.delivered)
                    for s in self.senders.values())
 
+    def delivered(self, sender: str | None) -> int:
+        s = self.senders.get(sender) if sender else None
+        return s.delivered if s is not None else 0
+
     def accepted_final(self) -> RolloutStats | None:
         s = self.senders.get(self.accepted) if self.accepted else None
         return s.final if s is not None else None

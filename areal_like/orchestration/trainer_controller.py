@@ -112,6 +112,7 @@ class TrainerController:
         check_peers: Callable[[], None] | None = None,
         run_id: str | None = None,
         epoch: int = 0,
+        vocab_size: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -126,6 +127,8 @@ class TrainerController:
         self.check_peers = check_peers
         """Raises if the rollout side (when this process knows it) has died."""
         self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
+        self.vocab_size = vocab_size
+        """Token ids at or above it are refused at the edge (they would crash the train step)."""
         self.peers = RolloutPeers(run_id or uuid.uuid4().hex[:12], epoch, dead_s=cfg.transport.peer_dead_s,
                                   timeout_s=cfg.transport.peer_timeout_s)
         self._last_ann: VersionAnnouncement | None = None
@@ -140,7 +143,7 @@ class TrainerController:
         self.skips_in_a_row = 0
         self.busy_s = 0.0
         self._last_announce = 0.0
-        self._resumed_sent_at = time.time()
+        self._fed_at = time.time()
         self._stopping = False
         self._sent_at = time.time()
         """When weights were last sent (a rollout report must come later to say it lags)."""
@@ -300,10 +303,9 @@ class TrainerController:
 
     def _while_waiting(self, v: int) -> None:
         """No batch yet: keep the rollout side fed and check that it is alive."""
-        if self.resumed_meta is not None and self.rollout is None:
-            self._resend_resumed_weights()
+        self._feed_joining_rollout()
         self._resend_if_rollout_stuck()
-        self._announce(weights=self.resumed_meta if self.rollout is None else None)
+        self._announce()
         try:
             if self.check_peers is not None:
                 self.check_peers()
@@ -324,25 +326,21 @@ class TrainerController:
             return "there is no complete checkpoint to resume from"
         return f"run the same command with --resume to continue from the checkpoint {ckpt}"
 
-    def _resend_resumed_weights(self, every_s: float = 3.0) -> None:
-        """After a resume the engines start from the base model. A dist transfer reaches
-        only receivers registered when it starts, and the rollout side registers on
-        its first announcement, so re-send the resumed version until it reports in."""
-        now = time.time()
-        if now - self._resumed_sent_at < every_s:
+    def _feed_joining_rollout(self, every_s: float = 3.0) -> None:
+        """A rollout controller that has delivered nothing yet while serving an older
+        version than the trainer (the trainer resumed, or the controller joined mid-run)
+        gets the current weights every few seconds until it has loaded them: a dist
+        transfer reaches only receivers registered when it starts, and the controller
+        registers on its first announcement."""
+        v, r = self.trainer.version, self.rollout
+        if v == 0 or self._stopping:
             return
-        self._resumed_sent_at = now
-        self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
-        self._announce(weights=self.resumed_meta, force=True)
-
-    def _welcome(self, sender: str) -> None:
-        """A rollout controller joined (or came back) while the trainer is past v0: hand it
-        the current weights now, or everything it makes is over-stale until it catches up."""
-        self.peers.joined = None
-        v = self.trainer.version
-        if v == 0 or self._stopping or (self.resumed_meta is not None and self.rollout is None):
-            return  # the base weights, or the resumed ones already being re-sent
-        log.info("sending v%d to rollout controller %s", v, sender)
+        if r is not None and (r.loaded_version >= v or self.peers.delivered(self.peers.accepted) > 0):
+            return
+        now = time.time()
+        if now - self._fed_at < every_s:
+            return
+        self._fed_at = now
         self.last_meta = self.weights.send(v, self.trainer.named_weights())
         self._sent_at = time.time()
         self._announce(weights=self.last_meta, force=True)
@@ -407,9 +405,16 @@ class TrainerController:
             return
         if not self.peers.admit(msg, self._stopping):
             return
-        if self.peers.joined is not None:
-            self._welcome(self.peers.joined)
+        if self.peers.joined is not None:  # hand it the current weights at once
+            self.peers.joined = None
+            self._fed_at = 0.0
         if isinstance(msg, TrajectoryGroup):
+            problem = _bad_tokens(msg, self.vocab_size)
+            if problem is not None:
+                log.error("group %s refused at the trainer's edge: %s; its %d episodes count as failed",
+                          msg.group_id, problem, msg.size)
+                self.buffer.put_invalid(msg)
+                return
             self.buffer.put(msg)
             self.telemetry.m.buffer_depth.set(self.buffer.depth)
         elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
@@ -455,3 +460,14 @@ class TrainerController:
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary
 
+
+def _bad_tokens(group: TrajectoryGroup, vocab_size: int | None) -> str | None:
+    """Token ids outside [0, vocab_size) would index past the embedding in the train step."""
+    if vocab_size is None:
+        return None
+    for t in group.trajectories:
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(t, name)
+            if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+                return f"{t.episode_id}: {name} outside the vocabulary [0, {vocab_size})"
+    return None

@@ -72,6 +72,7 @@ class TrainerSide:
             cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
             run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
             on_step=self.on_step, check_peers=self.check_peers, run_id=self.run_id, epoch=self.epoch,
+            vocab_size=_vocab_size(self.model_path),
         )
         if self.resume:
             self.controller.resume()
@@ -93,3 +94,10 @@ class TrainerSide:
         self.mlog.close()
         if self.group is not None:
             self.group.shutdown()
+
+
+def _vocab_size(model_path: Path) -> int | None:
+    import json
+
+    cfg = json.loads((model_path / "config.json").read_text())
+    return int(cfg["vocab_size"]) if "vocab_size" in cfg else None

@@ -1,0 +1,102 @@
+"""The run lifecycle across two separately started clusters, with real processes and real
+signals (docs/design.md §10.3, §10.7): Ctrl-C in either shell, a trainer killed without
+a word and restarted with --resume while the rollout side keeps running. Each ends with
+exit codes as documented, counts that add up, an audit that passes where records exist,
+and no process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_faults import ROOT, Launch, _env, _free_ports, _poll, _records, _sets, _steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def _split_args(model: Path, run_dir: Path, *extra: str) -> tuple[list[str], list[str]]:
+    data, control, store = _free_ports(3)
+    common = ["configs/quickstart.yaml", *_sets(model, run_dir, f"weight_sync.store_addr=127.0.0.1:{store}",
+                                                 f"transport.data_addr=tcp://127.0.0.1:{data}",
+                                                 f"transport.control_addr=tcp://127.0.0.1:{control}",
+                                                 "transport.peer_dead_s=4", *extra)]
+    return ["train", *common], ["rollout", *common]
+
+
+def _summary(run_dir: Path) -> dict:
+    recs = _records(run_dir)
+    assert recs and recs[-1]["kind"] == "summary", recs[-3:]
+    return recs[-1]
+
+
+def test_ctrl_c_on_the_trainer_stops_the_rollout_side_too(tiny_model_dir, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    train_args, rollout_args = _split_args(tiny_model_dir, run_dir, "train.total_steps=1000")
+    trainer = Launch(train_args, tmp_path / "train.log", _env())
+    rollout = Launch(rollout_args, tmp_path / "rollout.log", _env())
+    try:
+        _poll("a train step", lambda: _steps(run_dir), trainer)
+        os.killpg(trainer.p.pid, signal.SIGINT)  # Ctrl-C in the trainer's terminal
+        rc_t, out_t = trainer.wait(timeout=120)
+        rc_r, out_r = rollout.wait(timeout=120)
+    finally:
+        trainer.kill()
+        rollout.kill()
+    assert rc_t == 130, out_t[-3000:]
+    assert rc_r == 0, out_r[-3000:]  # it followed the goodbye
+    s = _summary(run_dir)
+    assert s["ended"] == "interrupted" and s["counts_add_up"], s
+    assert trainer.left_behind() == [] and rollout.left_behind() == []
+
+
+def test_rollout_restart_and_trainer_restart_mid_run_end_in_a_whole_audited_run(tiny_model_dir, tmp_path) -> None:
+    """Ctrl-C on the rollout side (the trainer says so at once and waits), a new rollout
+    side joins; then the trainer is SIGKILLed and restarted with --resume while that
+    rollout side keeps running: it re-bases on the new trainer epoch and the run ends."""
+    run_dir = tmp_path / "run"
+    train_args, rollout_args = _split_args(tiny_model_dir, run_dir, "train.total_steps=8",
+                                           "run.checkpoint_every_n_steps=2")
+    trainer = Launch(train_args, tmp_path / "train1.log", _env())
+    r1 = Launch(rollout_args, tmp_path / "rollout1.log", _env())
+    launches = [trainer, r1]
+    try:
+        _poll("a train step", lambda: _steps(run_dir), trainer)
+        os.killpg(r1.p.pid, signal.SIGINT)  # Ctrl-C in the rollout side's terminal
+        rc1, out1 = r1.wait(timeout=120)
+        assert rc1 == 130, out1[-3000:]
+        _poll("the trainer noticing", lambda: "stopped while the trainer still needs data" in trainer.output(),
+              trainer, timeout=60)
+        r2 = Launch(rollout_args, tmp_path / "rollout2.log", _env())
+        launches.append(r2)
+        _poll("a checkpoint after the new rollout side joined",
+              lambda: any((run_dir / "checkpoints").glob("v*/COMPLETE")) and max(_steps(run_dir)) >= 3, trainer)
+        os.killpg(trainer.p.pid, signal.SIGKILL)  # the trainer dies without a word
+        trainer.wait(timeout=60)
+        _poll("the rollout side noticing", lambda: "declared gone" in r2.output(), r2, timeout=60)
+        trainer2 = Launch([*train_args, "--resume"], tmp_path / "train2.log", _env())
+        launches.append(trainer2)
+        rc_t, out_t = trainer2.wait(timeout=400)
+        rc_r, out_r = r2.wait(timeout=120)
+    finally:
+        for launch in launches:
+            launch.kill()
+    assert rc_t == 0, out_t[-4000:]
+    assert rc_r == 0, out_r[-4000:]
+    assert "the trainer restarted (epoch 0 -> 1" in out_r, out_r[-3000:]
+    s = _summary(run_dir)
+    assert s["counts_add_up"] and s["ended"] == "finished", s
+    steps = [r["step"] for r in _records(run_dir) if r["kind"] == "train_step" and not r["skipped"]]
+    assert steps == sorted(set(steps)) and max(steps) == 8, steps  # no version reused
+    trajs = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len({t["episode_id"] for t in trajs}) == len(trajs)  # trained at most once
+    audit = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "audit", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True, env=_env(), timeout=600)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    assert all(launch.left_behind() == [] for launch in launches)
