@@ -27,6 +27,8 @@ import glob
 import importlib.util
 from pathlib import Path
 
+import yaml
+
 from areal_like.core.config import ConfigError, ExperimentConfig
 from rollout_cluster.loader import is_user_code_spec, load_object
 
@@ -120,7 +122,12 @@ def check_user_code(cfg: ExperimentConfig) -> None:
     load_reward(a.reward, base_dir=base)
     if is_user_code_spec(a.default_loop):
         resolve_agent_loop(a.default_loop, base_dir=base)
-    specs = list(a.tools) + (load_tools_file(a.tools_file, base_dir=base) if a.tools_file else [])
+    specs = list(a.tools)
+    if a.tools_file:
+        try:
+            specs += load_tools_file(a.tools_file, base_dir=base)
+        except (OSError, ValueError, yaml.YAMLError) as e:  # unreadable, not YAML, an invalid entry
+            raise ConfigError(f"agent.tools_file={a.tools_file!r}: {e}") from None
     for spec in specs:
         if is_user_code_spec(spec.cls):
             load_object(spec.cls, base_dir=base, what=f"tool {spec.name!r}")
