@@ -16,7 +16,16 @@
 Classes and callables are passed directly (docs/design.md §9.10): reward functions, tools
 (plain functions or `BaseTool` instances) and agent loops (`{"name": Class}`). They reach
 the rollout side inside the one Ray cluster `train()` starts, which is the only place
-Ray's own serialisation is used (§9.7). Several reward functions are summed, as in TRL.
+Ray's own serialisation is used (§9.7). Several reward functions are summed, as in TRL;
+each one's value is also recorded as the episode metric `reward_<function name>`.
+
+Reward functions written for TRL (`def f(completions, prompts=None, **kwargs) -> list[float]`)
+work as they are (docs/design.md §10.13, `rollout_cluster.rewards.as_reward_fn`), and
+`train_dataset` may be a list of dicts or a `datasets.Dataset`, with the columns named by
+`dataset.prompt_key` / `dataset.answer_key`. Without `eval_dataset`, `dataset.eval_split`
+of the train rows is held out for evaluation (never the built-in arithmetic set).
+Relative paths in `args` resolve as in the CLI (`areal_like.orchestration.paths`);
+`model` is relative to the current directory.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import ExperimentConfig, load_config
-from areal_like.orchestration.dataset import normalise_row
+from areal_like.orchestration.dataset import normalise_row, split_eval
+from areal_like.orchestration.paths import resolve_paths
 
 __all__ = ["GRPOTrainer"]
 
@@ -50,10 +60,18 @@ class GRPOTrainer:
             cfg = load_config(args)
         else:
             cfg = ExperimentConfig.model_validate(args or {})
-        cfg.model.path = str(model)
-        self.cfg = cfg
-        self.rows = [normalise_row(r, f"train_dataset[{i}]") for i, r in enumerate(train_dataset or [])] or None
-        self.eval_rows = [normalise_row(r, f"eval_dataset[{i}]") for i, r in enumerate(eval_dataset or [])] or None
+        cfg.model.path = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else str(model)
+        self.cfg = resolve_paths(cfg)
+        keys = {"prompt_key": cfg.dataset.prompt_key, "answer_key": cfg.dataset.answer_key}
+        rows = [normalise_row(r, f"train_dataset[{i}]", **keys) for i, r in enumerate(train_dataset or [])]
+        ev = [normalise_row(r, f"eval_dataset[{i}]", **keys) for i, r in enumerate(eval_dataset or [])]
+        if rows and eval_dataset is None:
+            rows, ev = split_eval(rows, cfg.dataset.eval_split, cfg.run.seed, cfg.eval.num_samples,
+                                  name="train_dataset")
+        self.rows: list[dict[str, Any]] | None = rows or None
+        self.eval_rows: list[dict[str, Any]] | None = ev if rows else (ev or None)
+        """`[]` when the user's rows leave none to evaluate on: no evaluation, rather than the
+        config's dataset (the built-in arithmetic set by default)."""
         self.reward_fn = _combine(reward_funcs)
         self.tools = _tools(tools) if tools else None
         self.agent_loops = agent_loops
@@ -68,21 +86,32 @@ class GRPOTrainer:
 
 
 def _combine(funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | str) -> Any:
-    if isinstance(funcs, str) or callable(funcs):
+    from rollout_cluster.rewards import as_reward_fn
+
+    if isinstance(funcs, str):
         return funcs
-    funcs = list(funcs)
+    if callable(funcs):
+        return as_reward_fn(funcs)
+    funcs = [as_reward_fn(f) for f in funcs]
     if not funcs:
         raise ValueError("reward_funcs is empty")
     if len(funcs) == 1:
         return funcs[0]
 
-    async def summed(sample: dict[str, Any], output: Any) -> dict[str, float]:
+    async def summed(sample: dict[str, Any], output: Any) -> dict[str, Any]:
+        """Each function in turn; a dict result's extra entries are kept as metrics. A
+        `None` (a TRL reward that does not apply) fails the episode, as for one function."""
         total, parts = 0.0, {}
         for f in funcs:
             r = f(sample, output)
             if inspect.isawaitable(r):
                 r = await r
-            value = float(r["reward"] if isinstance(r, dict) else r)
+            if isinstance(r, dict):
+                parts.update({k: v for k, v in r.items() if k != "reward"})
+                r = r.get("reward")
+            if r is None:
+                return {"reward": None}
+            value = float(r)
             parts[f"reward_{getattr(f, '__name__', 'fn')}"] = value
             total += value
         return {"reward": total, **parts}

@@ -8,8 +8,19 @@ that raises, times out, returns NaN/inf or something that is not a number fails
 it under `failed` (invariant 5) and the run goes on.
 
 A dict result needs a `reward` key; its other numeric entries become episode
-metrics (`output.metrics`). Built-in rewards are chosen by name from
-`BUILTIN_REWARDS`; user code is `file.py:fn` / `pkg.mod:fn` via the loader.
+metrics under their own names (`{"reward": 1.0, "format_ok": 1.0}` gives
+`output.metrics["format_ok"]`, and so `Trajectory.metrics`); entries that are not
+numbers are dropped with a warning once per key. Built-in rewards are chosen by name
+from `BUILTIN_REWARDS`; user code is `file.py:fn` / `pkg.mod:fn` via the loader.
+
+Reward functions written for TRL (docs/design.md §10.13) — `f(completions, prompts=None,
+completion_ids=None, **kwargs) -> list[float]`, recognised by a parameter named
+`completions` or `prompts` — are adapted by `as_reward_fn`: each episode is scored on
+its own with one-element lists, `completions` is the final text (chat messages
+`[{"role": "assistant", "content": ...}]` when the dataset's prompt was a list of
+messages, as TRL does), `prompts` likewise, `completion_ids` the generated token ids,
+and every dataset column (`answer` and the row's other columns, kept in `extra`) a
+one-element list keyword. A `None` entry is a failed reward (`bad_value`).
 
 A timed-out sync reward keeps its thread busy until it returns (threads cannot be
 killed); it no longer blocks the episode or the loop. Each sync call gets its own
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import numbers
 import threading
@@ -34,7 +46,10 @@ import numpy as np
 from areal_like.tasks.arithmetic import arithmetic_reward
 from rollout_cluster.loader import UserCodeError, is_user_code_spec, load_object
 
-__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardFn", "compute_reward", "load_reward"]
+__all__ = ["BUILTIN_REWARDS", "RewardError", "RewardFn", "as_reward_fn", "compute_reward", "is_trl_reward",
+           "load_reward"]
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[dict[str, Any], Any], Any]
 
@@ -53,9 +68,10 @@ class RewardError(Exception):
 
 
 def load_reward(spec: str | RewardFn, *, base_dir: str | Path | None = None) -> RewardFn:
-    """A built-in reward by name, user code by `file.py:fn` / `pkg.mod:fn`, or a callable as-is."""
+    """A built-in reward by name, user code by `file.py:fn` / `pkg.mod:fn`, or a callable
+    (TRL-style functions adapted by `as_reward_fn`)."""
     if callable(spec):
-        return spec
+        return as_reward_fn(spec)
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if not is_user_code_spec(spec):
@@ -66,7 +82,58 @@ def load_reward(spec: str | RewardFn, *, base_dir: str | Path | None = None) -> 
     fn = load_object(spec, base_dir=base_dir, what="reward")
     if not callable(fn):
         raise UserCodeError(f"reward {spec!r} is not callable")
-    return fn
+    return as_reward_fn(fn)
+
+
+def is_trl_reward(fn: Callable[..., Any]) -> bool:
+    """True for a TRL-style reward: it has a parameter named `completions` or `prompts`
+    (ours are `(sample, output)`, so the two shapes cannot be confused)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins have no signature: not TRL-shaped
+        return False
+    return "completions" in params or "prompts" in params
+
+
+def as_reward_fn(fn: Callable[..., Any]) -> RewardFn:
+    """`fn` itself when it is `(sample, output)`-shaped; a TRL-style reward wrapped so it is.
+
+    Called once per episode (not batched per group): each call has its own timeout and a
+    slow or failing completion fails only its own episode, as for every other reward.
+    """
+    if getattr(fn, "_areal_trl", False) or not is_trl_reward(fn):
+        return fn
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def arguments(sample: dict[str, Any], output: Any) -> dict[str, Any]:
+        text = sample.get("prompt_text")
+        chat = text is None
+        completion: Any = ([{"role": "assistant", "content": output.final_text}] if chat
+                           else output.final_text)
+        ids = [t for t, m in zip(output.response_ids, output.response_mask, strict=True) if m == 1]
+        kwargs: dict[str, Any] = {k: [v] for k, v in (sample.get("extra") or {}).items()}
+        kwargs.update(prompts=[sample.get("prompt") if chat else text], completions=[completion],
+                      completion_ids=[ids], answer=[sample.get("answer")])
+        return kwargs if takes_any else {k: v for k, v in kwargs.items() if k in params}
+
+    def one(value: Any) -> Any:
+        if isinstance(value, (list, tuple, np.ndarray)):
+            if len(value) != 1:
+                raise ValueError(f"returned {len(value)} rewards for 1 completion")
+            return value[0]  # None stays None: compute_reward counts it as bad_value
+        return value
+
+    if inspect.iscoroutinefunction(fn):
+        async def trl_reward(sample: dict[str, Any], output: Any) -> Any:
+            return one(await fn(**arguments(sample, output)))
+    else:
+        def trl_reward(sample: dict[str, Any], output: Any) -> Any:  # type: ignore[misc]
+            return one(fn(**arguments(sample, output)))
+
+    trl_reward.__name__ = getattr(fn, "__name__", type(fn).__name__)
+    trl_reward._areal_trl = True  # type: ignore[attr-defined]
+    return trl_reward
 
 
 async def compute_reward(
@@ -91,6 +158,10 @@ async def compute_reward(
         if "reward" not in value:
             raise RewardError("bad_value", f"{name} returned a dict without a 'reward' key: {sorted(value)}")
         metrics = {k: float(v) for k, v in value.items() if k != "reward" and _is_number(v)}
+        for k in value.keys() - metrics.keys() - {"reward"} - _warned:
+            _warned.add(k)
+            log.warning("reward %s: dict entry %r is %s, not a number; not recorded as a metric",
+                        name, k, type(value[k]).__name__)
         value = value["reward"]
     if not _is_number(value):
         raise RewardError("bad_value", f"{name} returned {type(value).__name__} {value!r}, expected a number")
@@ -98,6 +169,9 @@ async def compute_reward(
     if not math.isfinite(reward):
         raise RewardError("not_finite", f"{name} returned {reward}")
     return reward, metrics
+
+
+_warned: set[str] = set()
 
 
 def _is_number(v: Any) -> bool:

@@ -40,3 +40,32 @@ def test_grpo_trainer_with_callables_and_rows(tiny_model_dir, tmp_path) -> None:
     assert len(prompts) <= 4  # two steps of two prompts each, from the given rows
     for t in trajs:
         assert t["reward"] == 1.0 + float(len(t["response_ids"]) % 2 == 0)
+
+
+def test_grpo_trainer_takes_trl_rewards_and_holds_out_eval_rows(tiny_model_dir, tmp_path) -> None:
+    """No training: what the trainer hands the rollout side (docs/design.md §10.13)."""
+    import asyncio
+
+    from areal_like.api import GRPOTrainer
+    from areal_like.core.types import AgentLoopOutput
+    from rollout_cluster.rewards import compute_reward
+
+    def accuracy(completions, solution, **kwargs) -> list[float]:  # TRL-shaped, a renamed answer column
+        return [float(c.strip() == s) for c, s in zip(completions, solution, strict=True)]
+
+    def has_digits(sample, output) -> dict:
+        return {"reward": 0.5, "format_ok": 1.0}
+
+    rows = [{"question": f"{i}+{i}", "solution": str(2 * i)} for i in range(40)]
+    args = {"run": {"dir": str(tmp_path / "run")}, "eval": {"num_samples": 3},
+            "dataset": {"prompt_key": "question", "answer_key": "solution"}}
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[accuracy, has_digits], args=args, train_dataset=rows)
+    assert len(trainer.eval_rows) == 2 and len(trainer.rows) == 38  # 5% of 40, not the arithmetic set
+    assert not {r["answer"] for r in trainer.eval_rows} & {r["answer"] for r in trainer.rows}
+    out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_logprobs=[-0.1],
+                          response_versions=[0], final_text="4")
+    row = next(r for r in trainer.rows + trainer.eval_rows if r["answer"] == "4")
+    reward, metrics = asyncio.run(compute_reward(trainer.reward_fn, row, out, timeout_s=5))
+    assert reward == 1.5 and metrics == {"reward_accuracy": 1.0, "reward_has_digits": 0.5, "format_ok": 1.0}
+    alone = GRPOTrainer(model=tiny_model_dir, reward_funcs=accuracy, args=args, train_dataset=rows[:10])
+    assert alone.eval_rows == []  # too few rows to hold any out: no evaluation, never the built-in set

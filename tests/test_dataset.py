@@ -64,3 +64,85 @@ def test_prompt_source_filters_counts_and_resumes() -> None:
     assert [again.next()["answer"] for _ in range(5)] == more
     with pytest.raises(DatasetError, match="no usable rows"):
         PromptSource(rows, seed=1, prompt_len=lambda r: 100, max_prompt_len=7)
+
+
+# ---- datasets the way users hold them (docs/design.md §9.11) -----------------------------
+
+QA = [{"question": f"{i}+1", "solution": str(i + 1), "level": i % 3} for i in range(20)]
+
+
+def _cfg(**kw) -> DatasetConfig:
+    return DatasetConfig(prompt_key="question", answer_key="solution", eval_split=0.0, **kw)
+
+
+def _check_qa(rows) -> None:
+    assert [r["answer"] for r in rows] == [r["solution"] for r in QA]
+    assert rows[0]["prompt"] == [{"role": "user", "content": "0+1"}] and rows[0]["prompt_text"] == "0+1"
+    assert rows[3]["extra"] == {"solution": "4", "level": 0}  # other columns reach rewards
+
+
+def test_column_mapping_for_jsonl_and_parquet(tmp_path) -> None:
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in QA))
+    _check_qa(load_rows(_cfg(type="jsonl", path=str(tmp_path / "d.jsonl")), "train", 0))
+    pq.write_table(pa.Table.from_pylist(QA), tmp_path / "d.parquet")
+    _check_qa(load_rows(_cfg(type="parquet", path=str(tmp_path / "d.parquet")), "train", 0))
+
+
+def test_a_missing_column_names_it_and_the_row(tmp_path) -> None:
+    (tmp_path / "d.jsonl").write_text(json.dumps(QA[0]) + "\n" + json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(DatasetError, match=r"d.jsonl:2: missing column\(s\) \['solution'\]: no 'solution' "
+                                           r"\(dataset.answer_key\); the row has \['question'\]"):
+        load_rows(_cfg(type="jsonl", path=str(tmp_path / "d.jsonl")), "train", 0)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1", "answer": "2"}]), tmp_path / "d.parquet")
+    with pytest.raises(DatasetError, match=r"d.parquet\[0\]: missing column\(s\) \['question', 'solution'\]"):
+        load_rows(_cfg(type="parquet", path=str(tmp_path / "d.parquet")), "train", 0)
+
+
+def test_hf_saved_dataset_folder_and_data_files(tmp_path) -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(QA)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    _check_qa(load_rows(_cfg(type="hf_disk", path=str(tmp_path / "saved")), "train", 0))
+    _check_qa(load_rows(_cfg(type="hf", path=str(tmp_path / "saved")), "train", 0))  # a saved one, by type hf
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(str(tmp_path / "dict"))
+    assert len(load_rows(_cfg(type="hf", path=str(tmp_path / "dict"), split="test"), "train", 0)) == 2
+    with pytest.raises(DatasetError, match=r"no split 'dev' \(dataset.split\); it has \['test', 'train'\]"):
+        load_rows(_cfg(type="hf", path=str(tmp_path / "dict"), split="dev"), "train", 0)
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in QA))
+    _check_qa(load_rows(_cfg(type="hf", path=str(tmp_path / "files" / "train.jsonl")), "train", 0))
+    _check_qa(load_rows(_cfg(type="hf", path=str(tmp_path / "files")), "train", 0))  # a folder of data files
+    pq.write_table(pa.Table.from_pylist(QA), tmp_path / "files" / "more.parquet")
+    _check_qa(load_rows(_cfg(type="hf", path=str(tmp_path / "files" / "*.parquet")), "train", 0))
+    with pytest.raises(DatasetError, match="loading scripts are not supported"):
+        load_rows(_cfg(type="hf", path=str(tmp_path / "my_dataset.py")), "train", 0)
+
+
+def test_hf_without_datasets_names_the_extra(tmp_path, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(DatasetError, match=r"dataset.type=hf needs the `datasets` package: "
+                                           r"pip install 'areal_like\[hf\]'"):
+        load_rows(_cfg(type="hf", path=str(tmp_path)), "train", 0)
+
+
+def test_evaluation_is_held_out_from_the_users_rows(tmp_path, caplog) -> None:
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in QA * 5))  # 100 rows
+    cfg = DatasetConfig(type="jsonl", path=str(tmp_path / "data.jsonl"), prompt_key="question",
+                        answer_key="solution")
+    train = load_rows(cfg, "train", 3, max_eval_rows=128)
+    with caplog.at_level("INFO"):
+        ev = load_rows(cfg, "eval", 3, max_eval_rows=128)
+    assert len(ev) == 5 and len(train) == 95  # default eval_split 0.05, removed from training
+    assert "evaluating on 5 rows held out from data.jsonl (dataset.eval_split=0.05)" in caplog.text
+    assert all(r["data_source"] != "arithmetic" for r in ev)
+    assert len(load_rows(cfg, "eval", 3, max_eval_rows=2)) == 2  # capped at eval.num_samples
+    assert len(load_rows(cfg, "train", 3, max_eval_rows=2)) == 98
+    (tmp_path / "eval.jsonl").write_text(json.dumps(QA[0]) + "\n")
+    with_eval = cfg.model_copy(update={"eval_path": str(tmp_path / "eval.jsonl")})
+    assert len(load_rows(with_eval, "train", 3)) == 100 and len(load_rows(with_eval, "eval", 3)) == 1
+    none = cfg.model_copy(update={"eval_split": 0.0})
+    with caplog.at_level("WARNING"):
+        assert load_rows(none, "eval", 3) == [] and len(load_rows(none, "train", 3)) == 100
+    assert "no evaluation" in caplog.text

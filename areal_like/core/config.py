@@ -105,12 +105,25 @@ class ModelConfig(_Section):
 
 
 class DatasetConfig(_Section):
-    type: Literal["generated", "jsonl", "parquet", "hf_disk"] = "generated"
-    """`generated`: the built-in arithmetic task; otherwise a file or a saved HF dataset."""
+    type: Literal["generated", "jsonl", "parquet", "hf_disk", "hf"] = "generated"
+    """`generated`: the built-in arithmetic task; `jsonl`/`parquet`: a file; `hf_disk`: a
+    folder written by `Dataset.save_to_disk`; `hf`: anything `datasets.load_dataset` reads
+    from a local path (a dataset folder, data files or a glob of them; needs the `hf` extra)."""
     path: str | None = None
-    """Train data for jsonl/parquet/hf_disk; rows have `prompt` and `answer`."""
+    """Train data; rows need a prompt and an answer column. Relative paths resolve against
+    the config file's folder, then the current directory."""
     eval_path: str | None = None
-    """Held-out data (same format). For `generated`, a disjoint seed is used instead."""
+    """Held-out data (same format). For `generated`, a disjoint seed is used instead; for
+    other types without it, `eval_split` of the train rows is held out."""
+    eval_split: float = Field(0.05, ge=0.0, lt=1.0)
+    """Without `eval_path`: the fraction of train rows held out for evaluation (at most
+    `eval.num_samples`; removed from training; 0 = no evaluation). Ignored for `generated`."""
+    prompt_key: str = Field("prompt", min_length=1)
+    """Column holding the prompt (a string or a list of chat messages)."""
+    answer_key: str = Field("answer", min_length=1)
+    """Column holding the ground truth handed to the reward."""
+    split: str = Field("train", min_length=1)
+    """Split to read when `hf`/`hf_disk` data has several (a `DatasetDict`)."""
     task: Literal["arithmetic"] = "arithmetic"
     """Built-in task for `type: generated`."""
     form: Literal["tool", "single_turn"] = "tool"

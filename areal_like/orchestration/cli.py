@@ -15,7 +15,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-model_app = typer.Typer(help="Create and inspect the small local model.", no_args_is_help=True)
+model_app = typer.Typer(help="Create the small local model.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
 

@@ -1,14 +1,26 @@
-"""Datasets (docs/design.md §9.11): rows with `prompt` and `answer`, from files or the built-in task.
+"""Datasets (docs/design.md §9.11): rows with a prompt and an answer, from files or the built-in task.
 
-A row is a dict: `prompt` (a string or a list of chat messages), `answer` (ground truth
-for the reward), optional `agent_name`, `data_source`, `extra`. Bad rows are refused
-at load with the file and line, never half-used. Over-long prompts are filtered and
+Users bring data the way they hold it: JSONL, parquet, a saved HF dataset
+(`hf_disk`), or anything `datasets.load_dataset` reads from a local path (`hf`), with
+the prompt and answer columns named by `dataset.prompt_key` / `dataset.answer_key`.
+
+A row is a dict: `prompt` (a list of chat messages; a string prompt becomes one user
+message and is also kept as `prompt_text`, so TRL-style rewards see the format the
+dataset used), `answer` (ground truth for the reward, a string), optional
+`agent_name`, `data_source`, `tools_kwargs`, and `extra`: the row's own `extra` object
+plus every other column (so rewards can read them). Bad rows are refused at load with
+the file and line or row number, never half-used. Over-long prompts are filtered and
 counted by `PromptSource` (the length depends on the tokenizer and chat template).
+
+Evaluation uses the user's data, never the built-in task (§10.12): `dataset.eval_path`
+when given, else `split_eval` holds out `dataset.eval_split` of the train rows (seeded,
+removed from training) and says so in one log line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -16,23 +28,38 @@ from typing import Any
 
 from areal_like.core.config import DatasetConfig
 
-__all__ = ["DatasetError", "load_rows", "normalise_row", "PromptSource"]
+__all__ = ["DatasetError", "load_rows", "normalise_row", "split_eval", "PromptSource"]
+
+log = logging.getLogger(__name__)
 
 _ROLES = {"system", "user", "assistant", "tool"}
+_KNOWN = {"prompt", "answer", "agent_name", "data_source", "extra", "tools_kwargs", "prompt_text"}
 
 
 class DatasetError(ValueError):
     pass
 
 
-def normalise_row(row: Any, where: str) -> dict[str, Any]:
-    """Validate one row and turn a string prompt into a one-message chat."""
+def normalise_row(row: Any, where: str, *, prompt_key: str = "prompt", answer_key: str = "answer") -> dict[str, Any]:
+    """Validate one row and turn a string prompt into a one-message chat.
+
+    The prompt and answer are read from `prompt_key` / `answer_key`; columns the pipeline
+    does not know go into `extra` (the answer column under its own name too, so a
+    TRL-style reward gets it as the keyword it expects)."""
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: a row must be an object, got {type(row).__name__}")
-    missing = [k for k in ("prompt", "answer") if k not in row]
+    missing = [k for k in (prompt_key, answer_key) if k not in row]
     if missing:
-        raise DatasetError(f"{where}: missing column(s) {missing}; rows need 'prompt' and 'answer'")
+        keys = {"prompt": "dataset.prompt_key", "answer": "dataset.answer_key"}
+        named = [f"{k!r} ({keys['prompt'] if k == prompt_key else keys['answer']})" for k in missing]
+        raise DatasetError(f"{where}: missing column(s) {missing}: no {', '.join(named)}; "
+                           f"the row has {sorted(map(str, row))}")
+    columns = {k: v for k, v in row.items() if k not in _KNOWN and k not in (prompt_key, answer_key)}
+    if answer_key != "answer":
+        columns[answer_key] = row[answer_key]
+    row = {**{k: v for k, v in row.items() if k in _KNOWN}, "prompt": row[prompt_key], "answer": row[answer_key]}
     prompt = row["prompt"]
+    prompt_text = prompt if isinstance(prompt, str) else None
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DatasetError(f"{where}: empty prompt")
@@ -53,6 +80,7 @@ def normalise_row(row: Any, where: str) -> dict[str, Any]:
         raise DatasetError(f"{where}: 'answer' must be a string or plain JSON value: {e}") from None
     out = {
         "prompt": prompt,
+        "prompt_text": prompt_text,
         "answer": answer,
         "agent_name": row.get("agent_name"),
         "data_source": row.get("data_source", "unknown"),
@@ -64,23 +92,56 @@ def normalise_row(row: Any, where: str) -> dict[str, Any]:
         raise DatasetError(f"{where}: 'data_source' must be a string")
     if not isinstance(out["extra"], dict):
         raise DatasetError(f"{where}: 'extra' must be an object")
+    if columns:
+        out["extra"] = {**columns, **out["extra"]}
+    if row.get("tools_kwargs") is not None:
+        if not isinstance(row["tools_kwargs"], dict):
+            raise DatasetError(f"{where}: 'tools_kwargs' must be an object")
+        out["tools_kwargs"] = row["tools_kwargs"]
     return out
 
 
-def _read_file(kind: str, path: str) -> list[tuple[str, Any]]:
+_HF_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
+                ".arrow": "arrow"}
+
+
+def _read_hf(kind: str, path: str, split: str) -> list[tuple[str, Any]]:
+    """A saved dataset (`hf_disk`) or what `datasets.load_dataset` reads from a local path (`hf`)."""
+    try:
+        import datasets  # optional: the `hf` extra
+    except ImportError:
+        raise DatasetError(f"dataset.type={kind} needs the `datasets` package: pip install 'areal_like[hf]'") from None
     p = Path(path)
-    if kind == "hf_disk":
-        try:
-            import datasets  # optional: only for local HF datasets
-        except ImportError:
-            raise DatasetError("dataset.type=hf_disk needs the `datasets` package (pip install datasets)") from None
-        try:
+    saved = p.is_dir() and any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    try:
+        if kind == "hf_disk" or saved:
             ds = datasets.load_from_disk(str(p))
-        except Exception as e:  # missing folder, not a dataset, version mismatch
-            raise DatasetError(f"{p}: cannot load a local HF dataset: {e}") from None
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"]
-        return [(f"{p}[{i}]", r) for i, r in enumerate(ds)]
+        elif p.is_dir():
+            ds = datasets.load_dataset(str(p))
+        else:
+            suffix = next((s for s in _HF_BUILDERS if path.endswith(s)), None)
+            if path.endswith(".py"):
+                raise DatasetError(f"{path}: dataset loading scripts are not supported by datasets "
+                                   f"{datasets.__version__}; point dataset.path at the data files instead")
+            if suffix is None:
+                raise DatasetError(f"{path}: cannot tell the format; dataset.type=hf reads a dataset folder or "
+                                   f"data files ending in {sorted(_HF_BUILDERS)}")
+            ds = datasets.load_dataset(_HF_BUILDERS[suffix], data_files=path)
+    except DatasetError:
+        raise
+    except Exception as e:  # missing files, not a dataset, bad data: the library raises many types
+        raise DatasetError(f"{path}: cannot load with datasets: {type(e).__name__}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DatasetError(f"{path}: no split {split!r} (dataset.split); it has {sorted(ds)}")
+        ds = ds[split]
+    return [(f"{p}[{i}]", r) for i, r in enumerate(ds)]
+
+
+def _read_file(kind: str, path: str, split: str = "train") -> list[tuple[str, Any]]:
+    p = Path(path)
+    if kind in ("hf_disk", "hf"):
+        return _read_hf(kind, path, split)
     if not p.is_file():
         raise DatasetError(f"dataset file {p} does not exist")
     if kind == "jsonl":
@@ -110,8 +171,35 @@ def _read_file(kind: str, path: str) -> list[tuple[str, Any]]:
     raise DatasetError(f"unknown dataset type {kind!r}")
 
 
-def load_rows(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]:
-    """Rows of `split` ('train' or 'eval'), validated."""
+def split_eval(
+    rows: list[dict[str, Any]], fraction: float, seed: int, max_eval_rows: int | None = None, *,
+    name: str = "the data", say: bool = True,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`(train, held_out)`: `fraction` of `rows` (at most `max_eval_rows`, at least one row
+    left to train on) chosen with `seed`, so the train and eval calls agree. With `say`,
+    logs what it did in one line (the user must know which rows their score is on)."""
+    k = int(len(rows) * fraction)
+    if max_eval_rows is not None:
+        k = min(k, max_eval_rows)
+    k = max(0, min(k, len(rows) - 1))
+    if k == 0:
+        if say:
+            log.warning("no evaluation: %d rows of %s with dataset.eval_split=%g hold out none; set "
+                        "dataset.eval_path or a larger dataset.eval_split", len(rows), name, fraction)
+        return rows, []
+    held = set(random.Random(seed + 1_000_000).sample(range(len(rows)), k))
+    if say:
+        log.info("evaluating on %d rows held out from %s (dataset.eval_split=%g); training on the other %d",
+                 k, name, fraction, len(rows) - k)
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def load_rows(cfg: DatasetConfig, split: str, seed: int, *, max_eval_rows: int | None = None) -> list[dict[str, Any]]:
+    """Rows of `split` ('train' or 'eval'), validated.
+
+    For a user's dataset without `eval_path`, 'train' leaves out and 'eval' returns the
+    same `split_eval` rows (pass the same `seed` and `max_eval_rows`, normally
+    `eval.num_samples`, to both calls)."""
     if cfg.type == "generated":
         from areal_like.tasks.arithmetic import generate_problems
 
@@ -120,13 +208,19 @@ def load_rows(cfg: DatasetConfig, split: str, seed: int) -> list[dict[str, Any]]
         eval_exprs = {r["extra"]["expression"] for r in generate_problems(cfg.num_eval, seed + 1_000_000, cfg.form)}
         rows = [r for r in generate_problems(cfg.num_train, seed, cfg.form) if r["extra"]["expression"] not in eval_exprs]
         return [normalise_row(r, "generated") for r in rows]
-    path = cfg.path if split == "train" else cfg.eval_path
-    if path is None:
-        return []
-    rows = [normalise_row(r, where) for where, r in _read_file(cfg.type, path)]
+    held_out = split == "eval" and cfg.eval_path is None
+    path = cfg.path if split == "train" or held_out else cfg.eval_path
+    assert path is not None  # DatasetConfig requires `path` for every type but `generated`
+    rows = [normalise_row(r, where, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+            for where, r in _read_file(cfg.type, path, cfg.split)]
     if not rows:
         raise DatasetError(f"dataset {path} has no rows")
-    return rows
+    if cfg.eval_path is not None:
+        if split == "eval":
+            log.info("evaluating on %d rows of %s (dataset.eval_path)", len(rows), Path(path).name)
+        return rows
+    train, held = split_eval(rows, cfg.eval_split, seed, max_eval_rows, name=Path(path).name, say=split == "eval")
+    return held if split == "eval" else train
 
 
 class PromptSource:

@@ -91,7 +91,12 @@ def build_tool(spec: ToolSpec, *, base_dir: str | Path | None = None) -> BaseToo
 
 
 def load_tools_file(path: str | Path, *, base_dir: str | Path | None = None) -> list[ToolSpec]:
-    """Tool specs from a YAML file `{tools: [{name, cls, config, timeout_s}, ...]}`."""
+    """Tool specs from a YAML file `{tools: [{name, cls, config, timeout_s}, ...]}`.
+
+    A relative user-code file in an entry's `cls` is the tools file's neighbour when it
+    exists there (made absolute, so the spec means the same file in every process), else
+    it is left to `base_dir` and the current directory like any other spec.
+    """
     p = Path(path)
     if not p.is_absolute() and base_dir is not None and (Path(base_dir) / p).is_file():
         p = Path(base_dir) / p
@@ -104,9 +109,15 @@ def load_tools_file(path: str | Path, *, base_dir: str | Path | None = None) -> 
     specs = []
     for i, entry in enumerate(entries):
         try:
-            specs.append(ToolSpec.model_validate(entry))
+            spec = ToolSpec.model_validate(entry)
         except ValidationError as e:
             raise ValueError(f"tools file {p}: tools[{i}] is invalid: {e}") from None
+        if is_user_code_spec(spec.cls):
+            target, _, name = spec.cls.rpartition(":")
+            beside = p.parent / target
+            if not Path(target).is_absolute() and target.endswith(".py") and beside.is_file():
+                spec = spec.model_copy(update={"cls": f"{beside.resolve()}:{name}"})
+        specs.append(spec)
     return specs
 
 

@@ -89,3 +89,76 @@ def test_user_code_reward_by_file(tmp_path: Path) -> None:
         load_reward("nonexistent")
     with pytest.raises(UserCodeError, match="no attribute 'nope'"):
         load_reward("my_reward.py:nope", base_dir=tmp_path)
+
+
+# ---- TRL-style reward functions (docs/design.md §10.13) ----------------------------------
+
+TEXT_ROW = {"prompt": [{"role": "user", "content": "40+2"}], "prompt_text": "40+2", "answer": "42",
+            "extra": {"difficulty": "easy"}}
+CHAT_ROW = {**TEXT_ROW, "prompt_text": None}
+
+
+def trl_score(fn: Any, sample: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    return asyncio.run(compute_reward(load_reward(fn), sample, OUT, timeout_s=1.0))
+
+
+def test_trl_reward_gets_one_element_lists_and_dataset_columns() -> None:
+    seen: dict[str, Any] = {}
+
+    def accuracy(completions, prompts=None, completion_ids=None, **kwargs) -> list[float]:
+        seen.update(completions=completions, prompts=prompts, completion_ids=completion_ids, **kwargs)
+        return [float(c == a) for c, a in zip(completions, kwargs["answer"], strict=True)]
+
+    assert trl_score(accuracy, TEXT_ROW) == (1.0, {})
+    assert seen == {"completions": ["42"], "prompts": ["40+2"], "completion_ids": [[2]], "answer": ["42"],
+                    "difficulty": ["easy"]}
+    assert trl_score(accuracy, CHAT_ROW) == (0.0, {})  # a chat prompt: completions are messages, as in TRL
+    assert seen["completions"] == [[{"role": "assistant", "content": "42"}]]
+    assert seen["prompts"] == [CHAT_ROW["prompt"]]
+
+
+def test_trl_reward_without_kwargs_gets_only_what_it_names() -> None:
+    def strict(completions, answer):
+        return [1.0 if completions[0] == answer[0] else 0.0]
+
+    async def asynchronous(prompts, completions, **kwargs):
+        return [0.5]
+
+    assert trl_score(strict, TEXT_ROW) == (1.0, {})
+    assert trl_score(asynchronous, TEXT_ROW) == (0.5, {})
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [([None], "bad_value"), ([1.0, 0.0], "raised"), ([math.inf], "not_finite")],
+)
+def test_trl_reward_none_or_wrong_length_fails_the_episode(value: Any, reason: str) -> None:
+    def fn(completions, **kwargs):
+        return value
+
+    with pytest.raises(RewardError) as info:
+        trl_score(fn, TEXT_ROW)
+    assert info.value.reason == reason
+
+
+def test_trl_reward_by_file_and_ours_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "trl_rewards.py").write_text(
+        "def format_reward(completions, **kwargs):\n    return [float(c.isdigit()) for c in completions]\n"
+    )
+    fn = load_reward("trl_rewards.py:format_reward", base_dir=tmp_path)
+    assert fn.__name__ == "format_reward"
+    assert asyncio.run(compute_reward(fn, TEXT_ROW, OUT, timeout_s=1.0)) == (1.0, {})
+
+    def ours(sample, output):
+        return 1.0
+
+    assert load_reward(ours) is ours and load_reward(fn) is fn  # not wrapped twice
+
+
+def test_non_numeric_dict_entries_are_dropped_with_a_warning(caplog) -> None:
+    def fn(sample, output):
+        return {"reward": 1.0, "format_ok": 1.0, "why": "text"}
+
+    with caplog.at_level("WARNING"):
+        assert score(fn) == (1.0, {"format_ok": 1.0})
+    assert "'why' is str, not a number" in caplog.text

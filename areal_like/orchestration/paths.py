@@ -1,0 +1,150 @@
+"""Paths and user code of a config, settled once in the driver (docs/design.md §10.12).
+
+A user keeps their task in a folder of their own (`my_task/config.yaml`, `data.jsonl`,
+`reward.py`, `loop.py`, `tools.yaml`) and names those files relatively. The processes
+that use them (the rollout side is a Ray actor, possibly on another machine) do not
+share the driver's working directory and never see the config file's location, so
+every relative path is resolved here, in the driver, before anything starts:
+
+- against the config file's folder, then the current directory (`model.path` also
+  tries the installed package's assets, as `resolve_model_path` always has);
+- for `dataset.path`, `dataset.eval_path`, `model.path`, `agent.tools_file`, and the
+  file of every user-code spec `file.py:Name` in `agent.reward`, `agent.default_loop`
+  and `agent.tools[*].cls`;
+- the config then holds absolute paths, so every process and `run.dir/config.yaml`
+  see the same files whatever their working directory.
+
+A missing file is one `ConfigError` line naming the key, the value and the places
+looked. `check_user_code` then imports the user's code in the driver, so a syntax or
+import error is reported with the user's own `file:line` before Ray starts, not from
+inside a dead actor. `check_metrics_backends` refuses `metrics.tensorboard` /
+`metrics.wandb_project` without the package, naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+from pathlib import Path
+
+import yaml
+
+from areal_like.core.config import ConfigError, ExperimentConfig
+from rollout_cluster.loader import is_user_code_spec, load_object
+
+__all__ = ["check_metrics_backends", "check_user_code", "config_dir", "resolve_file", "resolve_paths"]
+
+
+def config_dir(cfg: ExperimentConfig) -> Path | None:
+    """The folder of the config file `cfg` was loaded from (None for a config built in code)."""
+    return Path(cfg.source).parent if cfg.source else None
+
+
+def resolve_file(value: str, key: str, bases: list[Path | None], *, kind: str = "file") -> str:
+    """`value` as an absolute path: itself if absolute, else the first of `bases` (then the
+    current directory) where it exists. `kind` is `file`, `dir`, `any` or `glob` (a
+    pattern that must match at least one file). Raises one `ConfigError` line otherwise."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        candidates = [p]
+    else:
+        candidates = [b / p for b in bases if b is not None]
+        candidates.append(Path.cwd() / p)
+    seen: list[Path] = []
+    for c in candidates:
+        if c in seen:
+            continue
+        seen.append(c)
+        if kind == "glob":
+            if glob.glob(str(c)):
+                return str(c)
+        elif (kind == "file" and c.is_file()) or (kind == "dir" and c.is_dir()) or (kind == "any" and c.exists()):
+            return str(c.resolve())
+    what = {"file": "no such file", "dir": "no such folder", "any": "no such file or folder",
+            "glob": "no file matches"}[kind]
+    raise ConfigError(f"{key}={value!r}: {what}; looked in {', '.join(str(s) for s in seen)}")
+
+
+def _resolve_spec(spec: str, key: str, bases: list[Path | None]) -> str:
+    """A user-code spec with its file made absolute; built-in names and `pkg.mod:Name` as given."""
+    if not is_user_code_spec(spec):
+        return spec
+    target, _, name = spec.rpartition(":")
+    if not (target.endswith(".py") or "/" in target or "\\" in target):
+        return spec  # a module on sys.path: importing decides
+    return f"{resolve_file(target, key, bases)}:{name}"
+
+
+_DATA_KIND = {"jsonl": "file", "parquet": "file", "hf_disk": "dir"}
+
+
+def resolve_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Make every path in `cfg` absolute, in place (and return `cfg`); idempotent.
+
+    In place because the caller's `cfg` is the one later dumped to the rollout side and
+    the run folder. Raises `ConfigError` naming the key, the value and the places looked.
+    """
+    from areal_like.orchestration.preflight import resolve_model_path
+
+    bases = [config_dir(cfg)]
+    cfg.model.path = str(resolve_model_path(cfg))
+    d = cfg.dataset
+    if d.type != "generated":
+        for key in ("path", "eval_path"):
+            value = getattr(d, key)
+            if value:
+                kind = _DATA_KIND.get(d.type) or ("glob" if glob.has_magic(value) else "any")
+                setattr(d, key, resolve_file(value, f"dataset.{key}", bases, kind=kind))
+    a = cfg.agent
+    a.reward = _resolve_spec(a.reward, "agent.reward", bases)
+    a.default_loop = _resolve_spec(a.default_loop, "agent.default_loop", bases)
+    a.tools = [t.model_copy(update={"cls": _resolve_spec(t.cls, f"agent.tools[{i}].cls", bases)})
+               for i, t in enumerate(a.tools)]
+    if a.tools_file:
+        a.tools_file = resolve_file(a.tools_file, "agent.tools_file", bases)
+    return cfg
+
+
+def check_user_code(cfg: ExperimentConfig) -> None:
+    """Import every piece of user code the config names (reward, default loop, tools), in
+    the driver, before anything starts: a syntax error, a failing import or a missing name
+    is a `UserCodeError` (a `ConfigError`) leading with the user's own `file:line`.
+
+    Only imports: tools are not constructed and nothing is called. Built-in names are
+    checked where they are used. Call after `resolve_paths`.
+    """
+    from rollout_cluster.agent_loop.runner import resolve_agent_loop
+    from rollout_cluster.rewards import load_reward
+    from rollout_cluster.tools import load_tools_file
+
+    base = config_dir(cfg)
+    a = cfg.agent
+    load_reward(a.reward, base_dir=base)
+    if is_user_code_spec(a.default_loop):
+        resolve_agent_loop(a.default_loop, base_dir=base)
+    specs = list(a.tools)
+    if a.tools_file:
+        try:
+            specs += load_tools_file(a.tools_file, base_dir=base)
+        except (OSError, ValueError, yaml.YAMLError) as e:  # unreadable, not YAML, an invalid entry
+            raise ConfigError(f"agent.tools_file={a.tools_file!r}: {e}") from None
+    for spec in specs:
+        if is_user_code_spec(spec.cls):
+            load_object(spec.cls, base_dir=base, what=f"tool {spec.name!r}")
+
+
+_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_metrics_backends(cfg: ExperimentConfig) -> None:
+    """`metrics.tensorboard` / `metrics.wandb_project` need their package; say which extra
+    installs it before Ray starts, instead of a traceback from the trainer once it has."""
+    wanted = []
+    if cfg.metrics.tensorboard:
+        wanted.append(("metrics.tensorboard=true", "tensorboard"))
+    if cfg.metrics.wandb_project:
+        wanted.append((f"metrics.wandb_project={cfg.metrics.wandb_project!r}", "wandb"))
+    for key, extra in wanted:
+        if importlib.util.find_spec(_BACKENDS[extra]) is None:
+            raise ConfigError(f"{key} needs the {_BACKENDS[extra]} package, which is not installed: "
+                              f"pip install 'areal_like[{extra}]'")
