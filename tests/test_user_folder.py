@@ -180,7 +180,6 @@ def test_metrics_backends_name_the_extra(monkeypatch) -> None:
         check_metrics_backends(cfg)
 
 
-@pytest.mark.slow  # ~16 s; needs `resolve_paths` called from `preflight` (docs/design.md §10.12)
 def test_real_run_from_a_third_directory(tmp_path) -> None:
     """`areal-like run <folder>/config.yaml` from an unrelated directory, as a user types it:
     the rollout actor gets the user's loop, tool (imported by the loop), reward and rows."""

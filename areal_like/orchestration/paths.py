@@ -32,7 +32,7 @@ import yaml
 from areal_like.core.config import ConfigError, ExperimentConfig
 from rollout_cluster.loader import is_user_code_spec, load_object
 
-__all__ = ["check_metrics_backends", "check_user_code", "config_dir", "resolve_file", "resolve_paths"]
+__all__ = ["check_metrics_backends", "check_user_code", "config_dir", "resolve_file", "resolve_model_path", "resolve_paths"]
 
 
 def config_dir(cfg: ExperimentConfig) -> Path | None:
@@ -84,7 +84,6 @@ def resolve_paths(cfg: ExperimentConfig) -> ExperimentConfig:
     In place because the caller's `cfg` is the one later dumped to the rollout side and
     the run folder. Raises `ConfigError` naming the key, the value and the places looked.
     """
-    from areal_like.orchestration.preflight import resolve_model_path
 
     bases = [config_dir(cfg)]
     cfg.model.path = str(resolve_model_path(cfg))
@@ -148,3 +147,22 @@ def check_metrics_backends(cfg: ExperimentConfig) -> None:
         if importlib.util.find_spec(_BACKENDS[extra]) is None:
             raise ConfigError(f"{key} needs the {_BACKENDS[extra]} package, which is not installed: "
                               f"pip install 'areal_like[{extra}]'")
+
+
+def resolve_model_path(cfg: ExperimentConfig) -> Path:
+    """`model.path` relative to the config file, the current folder, or the package."""
+    p = Path(cfg.model.path).expanduser()
+    candidates = [p] if p.is_absolute() else []
+    if not p.is_absolute():
+        if cfg.source:
+            candidates.append(Path(cfg.source).parent / p)
+            candidates.append(Path(cfg.source).parent.parent / p)
+        candidates.append(Path.cwd() / p)
+        pkg = Path(__file__).resolve().parents[1]  # the areal_like package
+        candidates.append(pkg.parent / p)
+        if p.parts and p.parts[0] == "areal_like":
+            candidates.append(pkg.joinpath(*p.parts[1:]))
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c.resolve()
+    raise ConfigError(f"model.path={cfg.model.path!r}: no HF model folder (config.json) at {[str(c) for c in candidates]}")

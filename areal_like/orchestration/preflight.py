@@ -12,33 +12,14 @@ import errno
 import logging
 import os
 import socket
-from pathlib import Path
 from typing import Literal
 
 from areal_like.core.config import ConfigError, ExperimentConfig
+from areal_like.orchestration.paths import resolve_model_path
 
 __all__ = ["resolve_model_path", "check_resources", "check_listeners", "preflight"]
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_path(cfg: ExperimentConfig) -> Path:
-    """`model.path` relative to the config file, the current folder, or the package."""
-    p = Path(cfg.model.path).expanduser()
-    candidates = [p] if p.is_absolute() else []
-    if not p.is_absolute():
-        if cfg.source:
-            candidates.append(Path(cfg.source).parent / p)
-            candidates.append(Path(cfg.source).parent.parent / p)
-        candidates.append(Path.cwd() / p)
-        pkg = Path(__file__).resolve().parents[1]  # the areal_like package
-        candidates.append(pkg.parent / p)
-        if p.parts and p.parts[0] == "areal_like":
-            candidates.append(pkg.joinpath(*p.parts[1:]))
-    for c in candidates:
-        if (c / "config.json").is_file():
-            return c.resolve()
-    raise ConfigError(f"model.path={cfg.model.path!r}: no HF model folder (config.json) at {[str(c) for c in candidates]}")
 
 
 def check_resources(cfg: ExperimentConfig) -> None:
@@ -152,9 +133,14 @@ def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *
               overwrite: bool = False) -> None:
     """Every check that needs nothing started: raises `ConfigError`, `RunDirError` or
     `RunFinished` (a `--resume` with nothing left to do) with one clear line."""
+    from areal_like.orchestration.paths import check_metrics_backends, check_user_code, resolve_paths
     from areal_like.orchestration.run_dir import RunDir
 
-    resolve_model_path(cfg)
+    resolve_paths(cfg)  # every relative path absolute, once, before anything starts (§10.12)
+    if role != "train":
+        check_user_code(cfg)
+    if role != "rollout":
+        check_metrics_backends(cfg)
     if role == "rollout":
         check_rollout_addresses(cfg)
         return

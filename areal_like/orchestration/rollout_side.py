@@ -126,7 +126,8 @@ class RolloutSide:
                                                      tokenize=True)
             return len(out["input_ids"] if not isinstance(out, list) else out)
 
-        rows = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed)
+        rows = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed,
+                                                  max_eval_rows=cfg.eval.num_samples)
         source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len)
         if source.filtered_too_long:
             log.warning("%d prompts longer than rollout.max_prompt_len=%d were filtered at load",
@@ -137,7 +138,10 @@ class RolloutSide:
         from areal_like.orchestration.dataset import load_rows
 
         cfg = self.cfg
-        return (self.user.get("eval_rows") or load_rows(cfg.dataset, "eval", cfg.run.seed))[: cfg.eval.num_samples]
+        rows = self.user.get("eval_rows")
+        if rows is None:  # [] from the API means "no evaluation", never the config's dataset
+            rows = load_rows(cfg.dataset, "eval", cfg.run.seed, max_eval_rows=cfg.eval.num_samples)
+        return rows[: cfg.eval.num_samples]
 
     def _build_gate(self) -> Any:
         from areal_like.core.staleness import StalenessGate
