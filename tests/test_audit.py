@@ -86,6 +86,14 @@ def test_audit_fails_on_tampered_logprob(fake_run, tmp_path) -> None:
     rd2 = R(tmp_path / "c2")
     _tamper(rd2, lambda ls: ls[0]["response_versions"].__setitem__(6, 0))
     assert not audit_run(tmp_path / "c2").ok
+    from typer.testing import CliRunner
+
+    from areal_like.orchestration.cli import app
+
+    r = CliRunner().invoke(app, ["audit", str(copy)])
+    assert r.exit_code == 3 and "audit FAILED" in r.output  # an integrity failure
+    shutil.rmtree(rd.weights)
+    assert CliRunner().invoke(app, ["audit", str(copy)]).exit_code == 1  # records missing: an error
 
 
 def test_audit_checks_lag_and_reports_missing(fake_run, tmp_path) -> None:

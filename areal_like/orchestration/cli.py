@@ -287,12 +287,12 @@ def audit(
 
     rep = audit_run(run_dir, tol=tol)
     typer.echo(json.dumps(rep.as_dict(), indent=2))
-    if rep.missing:
+    if rep.missing:  # nothing could be proved either way: an error, not a verdict
         typer.secho("audit incomplete: " + "; ".join(rep.missing), fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(3)
-    if not rep.ok:
-        typer.secho(f"audit FAILED: {len(rep.problems)} problem(s)", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
+    if not rep.ok:  # an invariant is broken: the integrity exit code (docs/design.md §10.7)
+        typer.secho(f"audit FAILED: {len(rep.problems)} problem(s)", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3)
     typer.secho(
         f"audit passed: {rep.tokens_checked} tokens of {rep.trajectories} trajectories, "
         f"max logprob error {rep.max_logprob_error:.2e}",
