@@ -116,7 +116,11 @@ class TrainEngine(ABC):
         cfg, loss_cfg = self.train_cfg, self.loss_cfg
         if loss_cfg.naive_ppo_ablation:
             logger.warning("ABLATION step: naive PPO (pi_old = behaviour policy, no importance weight)")
-        batch = batch.with_(prox_logprobs=self.compute_logprobs(batch))
+        if cfg.mini_batches > 1:
+            batch = batch.with_(prox_logprobs=self.compute_logprobs(batch))
+        # With one optimizer step per train step, π_prox (the weights at the start of the
+        # step) is what the training forward itself runs: its detached logprobs are the
+        # proximal ones, and a second forward would only cost time (docs/design.md §1).
         if loss_cfg.kl_coef > 0:
             batch = batch.with_(ref_logprobs=self._ref_logprobs(batch))
         prox_time = time.perf_counter() - t0

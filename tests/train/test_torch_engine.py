@@ -127,3 +127,25 @@ def test_create_engine_picks_the_backend(tiny_model_dir) -> None:
 
     engine = create_engine(tiny_model_dir, TrainConfig())
     assert isinstance(engine, TorchTrainEngine) and engine.version == 0
+
+
+def test_one_mini_batch_takes_prox_from_the_training_forward(tiny_model_dir, trajs, monkeypatch) -> None:
+    """With one optimizer step per train step, π_prox is the pre-step policy the training
+    forward runs anyway: no second forward, and the same update as with the recompute."""
+    batch = build_batch(trajs(), LossConfig())
+    ref = TorchTrainEngine(tiny_model_dir, TrainConfig(mini_batches=1))
+    ref_batch = batch.with_(prox_logprobs=ref.compute_logprobs(batch))  # the explicit recompute
+    monkeypatch.setattr(TorchTrainEngine, "compute_logprobs", lambda self, b: b.prox_logprobs)
+    ref_stats = ref.train_step(ref_batch)
+    monkeypatch.undo()
+
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig(mini_batches=1))
+    calls = []
+    real = TorchTrainEngine.compute_logprobs
+    monkeypatch.setattr(TorchTrainEngine, "compute_logprobs", lambda self, b: calls.append(1) or real(self, b))
+    stats = engine.train_step(batch)
+    assert calls == []  # no second forward
+    assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-6)
+    assert stats["behav_prox_gap"] == pytest.approx(ref_stats["behav_prox_gap"], abs=1e-6)
+    w, w_ref = dict(engine.named_weights()), dict(ref.named_weights())
+    assert all(torch.allclose(w[n], w_ref[n], atol=1e-6) for n in w)
