@@ -191,3 +191,47 @@ def test_out_of_vocabulary_token_ids_are_refused_at_the_edge_and_counted(tmp_pat
     assert h.tc.buffer.counts["failed"] == 4 and h.tc.buffer.depth == 4
     h.puller.close()
     h.publisher.close()
+
+
+class _Stragglers(FakeRollout):
+    """Every 5th prompt's episodes run 40x longer: the long answers of a real run."""
+
+    async def run_episode(self, row, sampling, eid):  # noqa: ANN001, ANN201
+        if int(row["answer"]) % 5 == 0:
+            await asyncio.sleep(0.6)
+        return await super().run_episode(row, sampling, eid)
+
+
+def test_the_trainer_waits_for_stragglers_instead_of_dropping_them(tmp_path) -> None:
+    """No admitted sample is lost to staleness (docs/design.md §10.4): a step that would push
+    a running group past η waits for it; the wait is recorded; over_stale stays 0."""
+    h = Harness(tmp_path, 12, "run.checkpoint_every_n_steps=100")
+    ctl = h.controller(0)
+    slow = _Stragglers(0)
+    ctl.run_episode, ctl.score = slow.run_episode, slow.score
+    ctl.apply_weights = slow.apply_weights
+    h.start(ctl)
+    summary, recs = h.finish()
+    steps = [r for r in recs if r["kind"] == "train_step"]
+    assert summary["over_stale"] == 0 and _adds_up(summary), summary
+    assert sum(r["straggler_wait_s"] for r in steps) > 0
+    assert max(r["max_version_lag"] for r in steps) <= h.cfg.staleness.max_staleness
+
+
+def test_a_hung_episode_times_out_as_failed_and_frees_the_trainer(tmp_path) -> None:
+    h = Harness(tmp_path, 4, "run.checkpoint_every_n_steps=100")
+    ctl = h.controller(0)
+    ctl.episode_timeout_s = 1.0
+    fake = FakeRollout(0)
+
+    async def hangs_sometimes(row, sampling, eid):  # noqa: ANN001, ANN202
+        if eid.endswith("-g0-e0"):  # the first group waits on a hung tool
+            await asyncio.sleep(3600)  # a hung tool
+        return await fake.run_episode(row, sampling, eid)
+
+    ctl.run_episode, ctl.score, ctl.apply_weights = hangs_sometimes, fake.score, fake.apply_weights
+    h.start(ctl)
+    t0 = time.time()
+    summary, recs = h.finish()
+    assert time.time() - t0 < 120
+    assert summary["failed"] >= 1 and _adds_up(summary), summary

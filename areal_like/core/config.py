@@ -238,6 +238,10 @@ class AgentConfig(_Section):
     """Reward function: built-in name or user code `file.py:fn` / `pkg.mod:fn`."""
     reward_timeout_s: float = Field(10.0, gt=0.0)
     """A reward that takes longer marks its episode failed."""
+    episode_timeout_s: float = Field(600.0, gt=0.0)
+    """An episode (all its turns, tools and its reward) that takes longer is stopped and
+    counted failed, freeing its capacity: a hung tool or a dead server cannot hold a
+    straggler the trainer waits for (docs/design.md §10.4)."""
 
 
 class StalenessConfig(_Section):

@@ -331,6 +331,10 @@ class RolloutStats(_Strict):
     counters: RolloutCounters = Field(default_factory=RolloutCounters)
     eval: EvalResult | None = None
     origin: Origin | None = None
+    running_groups: dict[str, int] = Field(default_factory=dict)
+    """Group id → the version loaded when it was admitted (a lower bound of its head
+    version), for every group still running: the trainer waits for a straggler rather
+    than step past it (docs/design.md §10.4)."""
 
     def flat(self) -> dict[str, float]:
         """One flat record for metrics.jsonl and the dashboard (`gate_*`, `outcome_*`,

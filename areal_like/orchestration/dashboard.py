@@ -60,6 +60,8 @@ previous reply's `latest_time` as the next `since` and appends):
         interrupts, interrupted_tokens, recompute_tokens          cumulative
         pause_resume_latency_s_max                                seconds
         weight_sync_s, weight_sync_bytes                          per synced step
+        straggler_wait_s                                          per train step: waited for
+                                                                  a group η would otherwise drop
         reward_mean, loss                                         per train step
         eval_accuracy, eval_reward_mean                           per evaluation
         behav_prox_gap                                            mean |behav - prox| logprob
@@ -118,6 +120,7 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("recompute_tokens", "rollout", "recompute_tokens"),
     ("pause_resume_latency_s_max", "rollout", "pause_resume_latency_s_max"),
     ("weight_sync_s", "train_step", "weight_sync_s"),
+    ("straggler_wait_s", "train_step", "straggler_wait_s"),
     ("weight_sync_bytes", "train_step", "weight_sync_bytes"),
     ("reward_mean", "train_step", "reward_mean"),
     ("loss", "train_step", "loss"),

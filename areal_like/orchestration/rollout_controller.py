@@ -76,6 +76,7 @@ class RolloutController:
         seed: int = 0,
         stats_every_s: float = 2.0,
         eval_timeout_s: float = 60.0,
+        episode_timeout_s: float = 600.0,
     ) -> None:
         self.gate = gate
         self.source = source
@@ -94,6 +95,9 @@ class RolloutController:
         self.seed = seed
         self.stats_every_s = stats_every_s
         self.eval_timeout_s = eval_timeout_s
+        self.episode_timeout_s = episode_timeout_s
+        self._admitted: dict[str, int] = {}
+        """Running group id → loaded version when it was admitted."""
         self.announcements: asyncio.Queue[VersionAnnouncement] = asyncio.Queue()
         self.started = 0
         self.cancelled = 0
@@ -147,9 +151,11 @@ class RolloutController:
         gid = f"s{self.seed}-r{self._incarnation}{f'e{self.epoch}' if self.epoch else ''}-g{self._group_seq}"
         self._group_seq += 1
         self.started += self.n
+        self._admitted[gid] = self.loaded_version
         task = asyncio.create_task(self._run_group(row, gid), name=gid)
         self._groups.add(task)
         task.add_done_callback(self._groups.discard)
+        task.add_done_callback(lambda t: self._admitted.pop(t.get_name(), None))
 
     async def _run_group(self, row: dict[str, Any], gid: str) -> None:
         epoch = self.epoch
@@ -175,11 +181,22 @@ class RolloutController:
     async def _episode(self, row: dict[str, Any], gid: str, i: int) -> Trajectory | str:
         eid = f"{gid}-e{i}"
         sampling = self.sampling.model_copy(update={"seed": _episode_seed(self.seed, gid, i)})
-        try:
+        async def attempt() -> tuple[AgentLoopOutput | None, float]:
             out = await self.run_episode(row, sampling, eid)
+            return out, (await self.score(row, out) if out is not None else 0.0)
+
+        task = asyncio.ensure_future(attempt())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.episode_timeout_s)
+            if not done:  # a hung tool or server: stop it, free its capacity, say so
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                reason = f"EpisodeTimeout: longer than agent.episode_timeout_s={self.episode_timeout_s:g}"
+                log.warning("episode %s failed: %s", eid, reason)
+                return reason
+            out, reward = task.result()
             if out is None:
                 return "rejected"
-            reward = await self.score(row, out)
             return Trajectory(
                 episode_id=eid,
                 group_id=gid,
@@ -195,6 +212,7 @@ class RolloutController:
                 metrics=out.metrics,
             )
         except asyncio.CancelledError:
+            task.cancel()
             raise
         except Exception as e:  # one bad episode must not stop the run: count it, say why
             reason = f"{type(e).__name__}: {e}"
@@ -295,6 +313,7 @@ class RolloutController:
             outcomes=EpisodeOutcomes(**self.outcomes),
             data_position=self.data_position(),
             counters=self.counters(),
+            running_groups=dict(self._admitted),
         )
 
     def _stamp(self, msg: TrajectoryGroup | RolloutStats) -> TrajectoryGroup | RolloutStats:

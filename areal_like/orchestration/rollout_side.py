@@ -82,6 +82,7 @@ class RolloutSide:
             eval_sampling=sampling.model_copy(update={"temperature": cfg.eval.temperature}),
             loaded_version=0,
             seed=cfg.run.seed,
+            episode_timeout_s=cfg.agent.episode_timeout_s,
         )
         try:
             await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,

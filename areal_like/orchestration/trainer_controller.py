@@ -140,6 +140,10 @@ class TrainerController:
         self.last_meta: WeightUpdateMeta | None = None
         self.resumed_meta: WeightUpdateMeta | None = None
         self.idle_s = 0.0
+        self.straggler_wait_s = 0.0
+        """Waited since the last step for a straggler that would otherwise cross η."""
+        self._arrived: set[str] = set()
+        self._straggler_since: dict[str, float] = {}
         self.skips_in_a_row = 0
         self.busy_s = 0.0
         self._last_announce = 0.0
@@ -229,9 +233,13 @@ class TrainerController:
         while self.trainer.version < cfg.train.total_steps:
             self._drain(timeout_s=0.05)
             v = self.trainer.version
-            groups = self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
+            t_check = time.time()
+            stragglers = self._stragglers(v)
+            groups = None if stragglers else self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
             if groups is None:
                 self._while_waiting(v)
+                if stragglers and self.buffer.num_groups >= cfg.train.batch_size:
+                    self.straggler_wait_s += time.time() - t_check
                 continue
             self.idle_s += time.time() - t_wait
             t0 = time.time()
@@ -239,6 +247,7 @@ class TrainerController:
                 stats = self._train_step(groups, v)
                 skipped = self.trainer.version == v
                 rec = self.telemetry.train_step(groups, v, self.trainer.version, skipped, stats, self.buffer)
+                rec["straggler_wait_s"], self.straggler_wait_s = self.straggler_wait_s, 0.0
                 if not skipped and self._due(cfg.weight_sync.every_n_steps):
                     self._publish_weights(rec)
                 else:
@@ -252,6 +261,31 @@ class TrainerController:
                     self.checkpoint()
             t_wait = time.time()
         return self._finish()
+
+    def _stragglers(self, v: int) -> list[str]:
+        """Admitted groups still running that the step v → v+1 would push past η: the
+        trainer waits for them instead of dropping them as over-stale later — they are
+        the long answers, and dropping them biases training toward short ones
+        (docs/design.md §10.4). Bounded: the rollout side fails an episode after
+        `agent.episode_timeout_s`, and past that (plus a margin) the trainer goes on."""
+        r = self.rollout
+        if r is None or r.origin is None or r.origin.sender != self.peers.accepted or self._stopping:
+            return []
+        eta, now = self.cfg.staleness.max_staleness, time.time()
+        give_up = self.cfg.agent.episode_timeout_s + 4 * self.cfg.transport.heartbeat_s
+        out = []
+        for gid, admitted_at in r.running_groups.items():
+            if gid in self._arrived or v + 1 - admitted_at <= eta:
+                continue
+            since = self._straggler_since.setdefault(gid, now)
+            if now - since > give_up:
+                if since > 0:
+                    log.warning("group %s is still running %.0fs after it held the step at v%d: training on "
+                                "without it (it may arrive over-stale)", gid, now - since, v)
+                    self._straggler_since[gid] = 0.0  # said once
+                continue
+            out.append(gid)
+        return out
 
     def _due(self, every: int) -> bool:
         v = self.trainer.version
@@ -409,6 +443,7 @@ class TrainerController:
             self.peers.joined = None
             self._fed_at = 0.0
         if isinstance(msg, TrajectoryGroup):
+            self._arrived.add(msg.group_id)
             problem = _bad_tokens(msg, self.vocab_size)
             if problem is not None:
                 log.error("group %s refused at the trainer's edge: %s; its %d episodes count as failed",
@@ -423,6 +458,9 @@ class TrainerController:
         else:
             self.rollout = msg
             self._rollout_at = time.time()
+            running = set(msg.running_groups)  # what this report still lists may yet arrive
+            self._arrived &= running
+            self._straggler_since = {g: t for g, t in self._straggler_since.items() if g in running}
             self.telemetry.rollout_report(msg, self.trainer.version)
 
     # ---- checkpoint and end ----------------------------------------------------------------

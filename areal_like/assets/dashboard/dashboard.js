@@ -24,7 +24,7 @@
     { id: "chart-interrupts", step: true, series: [["interrupted_tokens", "interrupted tokens"],
       ["recompute_tokens", "recompute tokens"]], extra: [["interrupts", "interrupts"]] },
     { id: "chart-pause-resume", series: [["pause_resume_latency_s_max", "pause→resume (max)"]] },
-    { id: "chart-weight-sync", dots: true, series: [["weight_sync_s", "seconds"]] },
+    { id: "chart-weight-sync", dots: true, series: [["weight_sync_s", "weight sync"], ["straggler_wait_s", "straggler wait"]] },
     { id: "chart-weight-sync-bytes", dots: true, series: [["weight_sync_bytes", "bytes"]] },
     { id: "chart-reward", series: [["reward_mean", "train reward mean"], ["eval_accuracy", "eval accuracy"]], dotsFor: ["eval_accuracy"] },
     { id: "chart-logprob-gap", series: [["behav_prox_gap", "mean |behav − prox|"]] },
