@@ -123,6 +123,9 @@ def test_two_sides_over_zmq_respect_eta_and_count_everything(tmp_path) -> None:
     recs = read_jsonl(rd.metrics)
     steps = [r for r in recs if r["kind"] == "train_step"]
     assert all(r["max_version_lag"] <= 1 for r in steps)
+    # the sampled reward over every finished group (filtered ones too) beside the trained mean
+    alls = [r["reward_mean_all_groups"] for r in steps if "reward_mean_all_groups" in r]
+    assert alls and all(0.0 <= x <= 1.0 for x in alls)
     assert recs[-1]["kind"] == "summary" and recs[-1]["counts_add_up"]
     trajs = read_jsonl(rd.trajectories)
     # every trained sample recorded once, none twice

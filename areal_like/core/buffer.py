@@ -9,7 +9,8 @@ and leave whole (docs/design.md §9.4):
   is 1) is dropped as `failed`; a group whose rewards are all equal carries no
   GRPO signal and is dropped as `filtered` (when filtering is on);
 - at consume time, the buffer re-checks `v_trainer − head_version ≤ η` for each
-  group, oldest first, and drops violators as `over_stale` (counted, never silent).
+  group, drops violators as `over_stale` (counted, never silent), and hands out the
+  groups with the oldest head versions first.
 
 Every sample ends in exactly one bucket of `OUTCOMES`. `consumed` and `dropped`
 (cumulative, in samples) go out in the trainer's version announcements so the
@@ -71,24 +72,23 @@ class TrajectoryBuffer:
 
     # ---- consumption -------------------------------------------------------------
     def pop_batch(self, trainer_version: int, num_groups: int) -> list[TrajectoryGroup] | None:
-        """The `num_groups` oldest groups within η of `trainer_version`, or None if
-        fewer are available (over-stale groups met on the way are dropped and counted)."""
-        while self._queue and trainer_version - self._queue[0].head_version > self.eta:
-            stale = self._queue.popleft()
-            self._drop(len(stale.trajectories), "over_stale")
+        """The `num_groups` groups with the oldest head versions (arrival order among
+        equals) within η of `trainer_version`, or None if fewer are available. Over-stale
+        groups are dropped and counted. Oldest head first, not oldest arrival: a long
+        group that arrives behind newer ones is the one the next step would push past η."""
+        kept: deque[TrajectoryGroup] = deque()
+        for g in self._queue:
+            if trainer_version - g.head_version > self.eta:
+                self._drop(len(g.trajectories), "over_stale")
+            else:
+                kept.append(g)
+        self._queue = kept
         if len(self._queue) < num_groups:
             return None
-        out: list[TrajectoryGroup] = []
-        while len(out) < num_groups:
-            g = self._queue.popleft()
-            lag = trainer_version - g.head_version
-            if lag > self.eta:  # behind a fresh head there can still be a stale group
-                self._drop(len(g.trajectories), "over_stale")
-                if len(self._queue) < num_groups - len(out):
-                    self._queue.extendleft(reversed(out))
-                    return None
-                continue
-            out.append(g)
+        order = sorted(range(len(self._queue)), key=lambda i: (self._queue[i].head_version, i))
+        chosen = set(order[:num_groups])
+        out = [self._queue[i] for i in sorted(chosen, key=lambda i: (self._queue[i].head_version, i))]
+        self._queue = deque(g for i, g in enumerate(self._queue) if i not in chosen)
         for g in out:
             self.lag_history.append(trainer_version - g.head_version)
         return out

@@ -282,6 +282,9 @@ class EpisodeOutcomes(_Strict):
     sent: int = 0
     rejected: int = 0
     failed: int = 0
+    reward_sum: float = 0.0
+    """Rewards of every sent trajectory, groups the trainer will filter included: the
+    policy's reward as sampled, beside the trained mean (which skips uniform groups)."""
 
 
 class RolloutCounters(_Strict):

@@ -200,7 +200,9 @@ def _progress(cfg: ExperimentConfig):  # noqa: ANN202 - a small closure
 
     def on_step(rec: dict) -> None:
         console.print(
-            f"[bold]step {rec['step']}/{total}[/] reward {rec['reward_mean']:.3f} "
+            f"[bold]step {rec['step']}/{total}[/] reward {rec['reward_mean']:.3f} trained"
+            + (f" / {rec['reward_mean_all_groups']:.3f} all groups" if "reward_mean_all_groups" in rec else "")
+            + " "
             f"loss {rec.get('loss', float('nan')):.4f} lag≤{rec['max_version_lag']} "
             f"buffer {rec['buffer_depth']} idle {rec['trainer_idle_ratio']:.2f}"
         )

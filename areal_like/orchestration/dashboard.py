@@ -62,7 +62,9 @@ previous reply's `latest_time` as the next `since` and appends):
         weight_sync_s, weight_sync_bytes                          per synced step
         straggler_wait_s                                          per train step: waited for
                                                                   a group η would otherwise drop
-        reward_mean, loss                                         per train step
+        reward_mean, loss                                         per train step (trained samples)
+        reward_mean_all_groups                                    per train step: every finished
+                                                                  trajectory, filtered groups too
         eval_accuracy, eval_reward_mean                           per evaluation
         behav_prox_gap                                            mean |behav - prox| logprob
         behav_weight_mean, behav_weight_max,                      importance weights
@@ -123,6 +125,7 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("straggler_wait_s", "train_step", "straggler_wait_s"),
     ("weight_sync_bytes", "train_step", "weight_sync_bytes"),
     ("reward_mean", "train_step", "reward_mean"),
+    ("reward_mean_all_groups", "train_step", "reward_mean_all_groups"),
     ("loss", "train_step", "loss"),
     ("eval_accuracy", "eval", "accuracy"),
     ("eval_reward_mean", "eval", "reward_mean"),

@@ -102,6 +102,7 @@ class RolloutController:
         self.started = 0
         self.cancelled = 0
         self.outcomes = {"sent": 0, "rejected": 0, "failed": 0}
+        self.reward_sum = 0.0
         self._groups: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -131,8 +132,12 @@ class RolloutController:
             self._start_eval(self.loaded_version)
         try:
             while not self._stop.is_set():
+                admitted = 0
                 while not self._stop.is_set() and not self._awaiting_weights and self.gate.try_admit(self.n):
                     self._spawn_group(self.source.next())
+                    admitted += 1
+                if admitted:  # the trainer learns of new groups now, not at the next report
+                    await self.send(self._stamp(self._stats()))
                 self._wake.clear()
                 if control.done():
                     control.result()  # surface a crashed control task
@@ -172,6 +177,7 @@ class RolloutController:
             self._sending.discard(gid)
             return
         self.outcomes["sent"] += len(trajs)
+        self.reward_sum += sum(t.reward for t in trajs)
         self.outcomes["rejected"] += rejected
         self.outcomes["failed"] += len(reasons)
         self.gate.on_group_done(self.n, len(trajs))
@@ -291,6 +297,7 @@ class RolloutController:
         self.started = 0
         self.cancelled = 0
         self.outcomes = {k: 0 for k in self.outcomes}
+        self.reward_sum = 0.0
         self.gate.rebase()
         self.loaded_version = -1
         self._awaiting_weights = True
@@ -310,7 +317,7 @@ class RolloutController:
             running=self.gate.s.running,
             cancelled=self.cancelled,
             gate=GateSnapshot(**self.gate.state_dict(), capacity=self.gate.capacity),
-            outcomes=EpisodeOutcomes(**self.outcomes),
+            outcomes=EpisodeOutcomes(**self.outcomes, reward_sum=self.reward_sum),
             data_position=self.data_position(),
             counters=self.counters(),
             running_groups=dict(self._admitted),

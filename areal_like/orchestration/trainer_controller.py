@@ -248,6 +248,7 @@ class TrainerController:
                 skipped = self.trainer.version == v
                 rec = self.telemetry.train_step(groups, v, self.trainer.version, skipped, stats, self.buffer)
                 rec["straggler_wait_s"], self.straggler_wait_s = self.straggler_wait_s, 0.0
+                self.telemetry.sampled_reward(rec)
                 if not skipped and self._due(cfg.weight_sync.every_n_steps):
                     self._publish_weights(rec)
                 else:

@@ -24,6 +24,8 @@ class TrainerTelemetry:
         self.evals: list[dict[str, Any]] = []
         self._last: dict[str, float] = {}
         self._pauses_seen = 0.0
+        self._rewards_seen: tuple[str, int, float] = ("", 0, 0.0)
+        self._rewards_now: tuple[str, int, float] = ("", 0, 0.0)
 
     def train_step(self, groups: list[TrajectoryGroup], v: int, new_v: int, skipped: bool,
                    stats: dict[str, float], buffer: TrajectoryBuffer) -> dict[str, Any]:
@@ -82,7 +84,22 @@ class TrainerTelemetry:
         self.m.idle_ratio.labels(pool="train").set(trainer_idle_ratio)
         self.mlog.write("train_step", rec["step"], **rec)
 
+    def sampled_reward(self, rec: dict[str, Any]) -> None:
+        """Mean reward of every trajectory the rollout side finished since the last step,
+        filtered (uniform) groups included, as `reward_mean_all_groups` beside the trained
+        `reward_mean`: once the task saturates, most all-correct groups are filtered and
+        the trained mean alone understates the policy."""
+        sender, n, total = self._rewards_now
+        s0, n0, t0 = self._rewards_seen
+        if sender != s0:
+            n0, t0 = 0, 0.0
+        if n > n0:
+            rec["reward_mean_all_groups"] = (total - t0) / (n - n0)
+            self._rewards_seen = self._rewards_now
+
     def rollout_report(self, msg: RolloutStats, trainer_version: int) -> None:
+        if msg.origin is not None:
+            self._rewards_now = (msg.origin.sender, msg.outcomes.sent, msg.outcomes.reward_sum)
         self.m.server_version.labels(server="rollout").set(msg.loaded_version)
         self._counters(msg.counters)
         for k in ("running", "sent", "dropped", "consumed", "capacity"):

@@ -26,7 +26,7 @@
     { id: "chart-pause-resume", series: [["pause_resume_latency_s_max", "pause→resume (max)"]] },
     { id: "chart-weight-sync", dots: true, series: [["weight_sync_s", "weight sync"], ["straggler_wait_s", "straggler wait"]] },
     { id: "chart-weight-sync-bytes", dots: true, series: [["weight_sync_bytes", "bytes"]] },
-    { id: "chart-reward", series: [["reward_mean", "train reward mean"], ["eval_accuracy", "eval accuracy"]], dotsFor: ["eval_accuracy"] },
+    { id: "chart-reward", series: [["reward_mean", "reward (trained)"], ["reward_mean_all_groups", "reward (all groups)"], ["eval_accuracy", "eval accuracy"]], dotsFor: ["eval_accuracy"] },
     { id: "chart-logprob-gap", series: [["behav_prox_gap", "mean |behav − prox|"]] },
     { id: "chart-importance-weights", series: [["behav_weight_mean", "mean"], ["behav_weight_max", "max"],
       ["clip_frac", "clip fraction"]], extra: [["behav_capped", "capped"], ["behav_masked", "masked"]] },
