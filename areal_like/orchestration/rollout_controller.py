@@ -39,6 +39,7 @@ from areal_like.core.types import (
     WeightUpdateMeta,
 )
 from areal_like.orchestration.dataset import PromptSource
+from areal_like.orchestration.fail_fast import FailFast
 
 __all__ = ["RolloutController"]
 
@@ -69,6 +70,7 @@ class RolloutController:
         seed: int = 0,
         stats_every_s: float = 2.0,
         eval_timeout_s: float = 60.0,
+        fail_fast: FailFast | None = None,
     ) -> None:
         self.gate = gate
         self.source = source
@@ -87,6 +89,8 @@ class RolloutController:
         self.seed = seed
         self.stats_every_s = stats_every_s
         self.eval_timeout_s = eval_timeout_s
+        self.fail_fast = fail_fast or FailFast()
+        """Stops the run (`RolloutFailedError`) when episodes keep failing (fail_fast.py)."""
         self.announcements: asyncio.Queue[VersionAnnouncement] = asyncio.Queue()
         self.started = 0
         self.cancelled = 0
@@ -120,6 +124,7 @@ class RolloutController:
                     await asyncio.wait_for(self._wake.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
+                self.fail_fast.raise_if_tripped()
         finally:
             await self._shutdown(control, stats)
 
@@ -141,6 +146,7 @@ class RolloutController:
         trajs = [r for r in results if isinstance(r, Trajectory)]
         reasons = [r for r in results if isinstance(r, str) and r != "rejected"]
         rejected = sum(1 for r in results if r == "rejected")
+        self.fail_fast.group(len(reasons), self.n)
         group = TrajectoryGroup(
             group_id=gid, trajectories=trajs, failed=len(reasons), rejected=rejected, failure_reasons=reasons[:4]
         )
@@ -158,8 +164,10 @@ class RolloutController:
         try:
             out = await self.run_episode(row, sampling, eid)
             if out is None:
+                self.fail_fast.episode(None)
                 return "rejected"
             reward = await self.score(row, out)
+            self.fail_fast.episode(None)
             return Trajectory(
                 episode_id=eid,
                 group_id=gid,
@@ -178,7 +186,11 @@ class RolloutController:
             raise
         except Exception as e:  # one bad episode must not stop the run: count it, say why
             reason = f"{type(e).__name__}: {e}"
-            log.warning("episode %s failed: %s", eid, reason)
+            self.fail_fast.episode(e)  # ... but many do (fail_fast.py)
+            if self.fail_fast.should_log():
+                log.warning("episode %s failed: %s (%d failed so far)", eid, reason, self.fail_fast.failed)
+            if self.fail_fast.tripped is not None:
+                self._wake.set()
             return reason[:300]
 
     # ---- control: announcements and weights ------------------------------------------------

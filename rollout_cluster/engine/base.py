@@ -284,7 +284,11 @@ class Engine(abc.ABC):
         """Validate a raw request and queue it (the edge for callers that drive steps)."""
         self.enqueue(
             validate_request(
-                request_id, prompt_ids, sampling_params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+                request_id,
+                prompt_ids,
+                sampling_params,
+                max_seq_len=self.max_seq_len,
+                vocab_size=self.vocab_size,
             )
         )
 

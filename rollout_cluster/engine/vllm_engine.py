@@ -471,8 +471,9 @@ class _StatsLogger:
     def __init__(self, stats: _VLLMStats) -> None:
         self.stats = stats
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-               engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
         st = self.stats
         if scheduler_stats is not None:
             st.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
@@ -546,7 +547,9 @@ class VLLMEngine:
         self._stats = _VLLMStats()
         self._errors = _ErrorLog()
         with self._errors:
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda _cfg, _idx: _StatsLogger(self._stats)])
+            self._llm = AsyncLLM.from_engine_args(
+                args, stat_loggers=[lambda _cfg, _idx: _StatsLogger(self._stats)]
+            )
         self._dead: EngineDeadError | None = None
         chunked = bool(getattr(self._llm.vllm_config.scheduler_config, "enable_chunked_prefill", False))
         self.seeded = seeded_sampling_supported(cpu=cpu, chunked_prefill=chunked)
@@ -773,7 +776,11 @@ class VLLMEngine:
                     break
                 await asyncio.sleep(0.1)
             if not cause:
-                cause = f"vLLM engine core died: {status}" if status else f"vLLM engine died ({type(error).__name__}: {error})"
+                cause = (
+                    f"vLLM engine core died: {status}"
+                    if status
+                    else f"vLLM engine died ({type(error).__name__}: {error})"
+                )
             elif status:
                 details = f"{details}\n{status}"
             self._dead = EngineDeadError(cause, details)
