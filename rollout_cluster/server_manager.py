@@ -207,7 +207,7 @@ class ServerManager:
             self._sticky.move_to_end(session_id)
             return name
         if not self._slots:
-            raise self._none_left()
+            raise self._none_left() from self.last_error
         name = min(self._slots, key=lambda n: (self._slots[n].in_flight, self._slots[n].served))
         self._sticky[session_id] = name
         self._sticky.move_to_end(session_id)

@@ -45,6 +45,13 @@ class FirstError:
     @classmethod
     def of(cls, error: BaseException) -> FirstError:
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        cause: BaseException | None = error
+        while cause is not None:  # an engine's own log (EngineDeadError.details) says most
+            details = getattr(cause, "details", "")
+            if isinstance(details, str) and details:
+                tb += f"\nthe engine's error log:\n{details}"
+                break
+            cause = cause.__cause__
         return cls(error_headline(error), type(error).__name__, str(error), tb[-MAX_TRACEBACK_CHARS:])
 
 
