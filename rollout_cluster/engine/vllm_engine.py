@@ -614,7 +614,7 @@ class VLLMEngine:
 
     async def _run(self, call: _Call) -> StopReason:
         while True:
-            await self._open.wait()
+            await self._guard(self._open.wait())
             if call.aborted or self._closed:
                 return "abort"
             if call.attempt == 0:
@@ -685,7 +685,7 @@ class VLLMEngine:
                 if self.interrupt_mode == "recompute":
                     for call in inflight:
                         call.resume = True
-                await _pause(self._llm, mode=mode, clear_cache=self.interrupt_mode != "keep")
+                await self._guard(_pause(self._llm, mode=mode, clear_cache=self.interrupt_mode != "keep"))
                 paused = True
                 if self.interrupt_mode == "recompute":
                     await self._abort_stragglers(inflight)
@@ -695,10 +695,10 @@ class VLLMEngine:
                     self.counters.interrupted_tokens += sum(len(c.tokens) for c in inflight)
                     for call in inflight:
                         call.interrupts += 1
-                await self._llm.collective_rpc("areal_load_weights", args=(packed,))
+                await self._guard(self._llm.collective_rpc("areal_load_weights", args=(packed,)))
                 self._version = int(version)
                 if self.interrupt_mode != "keep":
-                    await self._llm.reset_prefix_cache()
+                    await self._guard(self._llm.reset_prefix_cache())
                 self.counters.weight_updates += 1
             except Exception as e:
                 if self._llm.errored:
@@ -709,7 +709,7 @@ class VLLMEngine:
                 # version it had) instead of staying paused forever. A dead engine has
                 # nothing to resume; its waiting calls fail at once.
                 if paused and not self._llm.errored:
-                    await self._llm.resume_generation()
+                    await self._guard(self._llm.resume_generation())
                 self._open.set()
             self.counters.record_pause(time.perf_counter() - t0)
 
@@ -727,7 +727,7 @@ class VLLMEngine:
         while late:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"requests {[c.sub_id for c in late]} did not stop for the weight update")
-            await self._llm.abort([c.sub_id for c in late])
+            await self._guard(self._llm.abort([c.sub_id for c in late]))
             await asyncio.sleep(0.005)
             late = [c for c in late if c.streaming]
 
@@ -757,6 +757,24 @@ class VLLMEngine:
         m.update(kv_usage=float(self._stats.kv_cache_usage), queue_depth=float(self._stats.num_waiting))
         m["engine_dead"] = 1.0 if self._dead is not None else 0.0
         return m
+
+    async def _guard(self, awaitable: Any, poll_s: float = 0.25) -> Any:
+        """Await an engine call, or raise `EngineDeadError` as soon as the engine is dead.
+
+        A call into a dead `AsyncLLM` (pause, RPC, resume; a call waiting for the gate
+        a dead update never reopens) may never return: measured when the engine core
+        was killed during a weight update, the run hung with every call waiting."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                if self._llm.errored:
+                    raise await self._died(RuntimeError("the engine died while a call waited on it"))
+        finally:
+            if not task.done():
+                task.cancel()
 
     def engine_pids(self) -> list[int]:
         """Pids of vLLM's engine core process(es), children of this process."""
