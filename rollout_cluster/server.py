@@ -262,8 +262,11 @@ class RolloutServer:
     # ---- health and metrics ---------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
+        """`status` is "dead" once the engine reported itself dead (`engine_dead`: vLLM's
+        engine core crashed or was killed; every call then raises `EngineDeadError`)."""
+        dead = bool(self.engine.metrics().get("engine_dead", 0.0))
         return {
-            "status": "ok",
+            "status": "dead" if dead else "ok",
             "version": self.version,
             "uptime_s": time.time() - self.started_at,
             "http": self._http.url if self._http is not None else None,
@@ -272,7 +275,10 @@ class RolloutServer:
     def metrics(self) -> dict[str, float]:
         """Engine counters and gauges (queue_depth, running, kv_usage, interrupts,
         interrupted_tokens, recompute_tokens, pause_resume_latency_s_*, ...) plus
-        server counters (http_*, token continuity hits/fallbacks)."""
+        server counters (http_*, token continuity hits/fallbacks). The vLLM engine adds
+        its own scheduler's view as `vllm_kv_cache_usage`, `vllm_num_running`,
+        `vllm_num_waiting`, `vllm_preemptions`, `vllm_prefix_cache_queries`,
+        `vllm_prefix_cache_hits`, and `engine_dead`."""
         m = dict(self.engine.metrics())
         m.update(self.counters)
         m.update(self.sessions.counters)

@@ -12,8 +12,17 @@ connection, OS, timeout, runtime or Ray errors) is taken out of rotation, its
 sticky sessions are forgotten so they move to other servers, and the call is
 retried elsewhere: a server death costs the episode one regenerated turn, never the
 episode. Other exceptions (a `ValueError` for an over-long prompt, say) are the
-request's fault and are raised to the caller without touching the server. When no
-server is left, `NoServerAvailableError` is raised.
+request's fault and are raised to the caller without touching the server. An engine
+that died (`EngineDeadError`, a `RuntimeError`: vLLM's engine core crashed or was
+killed) is such a server failure: every call on it fails at once and moves on.
+
+A failed server is restarted when the manager is given a `restart` callable: up to
+`max_restarts` times per server name, the n-th attempt after
+`restart_backoff_s * 2**(n-1)` seconds; a restarted server goes back into rotation
+under its name. While a restart is pending and no server is left, calls wait for it.
+When no server is left and none is being restarted, `NoServerAvailableError` is
+raised, naming the last server's root cause (`root_cause`) so the run can stop with
+it instead of failing episode after episode.
 
 Servers are any objects with `async generate(*, request_id, prompt_ids,
 sampling_params) -> GenerateResult`: an in-process `RolloutServer`, an adapter over
@@ -22,10 +31,11 @@ a Ray actor handle, or an HTTP client.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +49,7 @@ __all__ = [
     "RayServer",
     "ServerManager",
     "default_failure_exceptions",
+    "error_headline",
 ]
 
 
@@ -49,7 +60,27 @@ class GenerateServer(Protocol):
 
 
 class NoServerAvailableError(RuntimeError):
-    """Every server has failed or been removed; the episode cannot continue."""
+    """Every server has failed or been removed (and none is being restarted); the
+    episode cannot continue, and neither can the run. `root_cause` is the last
+    failed server's error, first line first ("" when servers were only removed)."""
+
+    def __init__(self, message: str, root_cause: str = "") -> None:
+        super().__init__(message)
+        self.root_cause = root_cause
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.root_cause))
+
+
+def error_headline(error: BaseException) -> str:
+    """`Type: message` of an error, or its `root_cause` when it carries one (an engine's
+    own error behind `EngineDeadError`, a server's behind `NoServerAvailableError`)."""
+    root = getattr(error, "root_cause", "")
+    if isinstance(root, str) and root:
+        return root
+    msg = str(error).strip()
+    first = msg.splitlines()[0] if msg else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def default_failure_exceptions() -> tuple[type[BaseException], ...]:
@@ -98,17 +129,31 @@ class ServerManager:
         max_sticky_sessions: int = 10_000,
         failure_exceptions: tuple[type[BaseException], ...] | None = None,
         on_server_failure: Callable[[str, BaseException], None] | None = None,
+        restart: Callable[[str, BaseException], Awaitable[Any]] | None = None,
+        max_restarts: int = 0,
+        restart_backoff_s: float = 5.0,
     ) -> None:
         if max_sticky_sessions < 1:
             raise ValueError("max_sticky_sessions must be >= 1")
+        if max_restarts < 0 or restart_backoff_s < 0:
+            raise ValueError("max_restarts and restart_backoff_s must be >= 0")
         self.max_sticky_sessions = max_sticky_sessions
         self.failure_exceptions = failure_exceptions or default_failure_exceptions()
         self.on_server_failure = on_server_failure
+        self.restart = restart
+        """`await restart(name, error)` -> a new server for `name` (or raises)."""
+        self.max_restarts = max_restarts
+        self.restart_backoff_s = restart_backoff_s
         self._slots: dict[str, _Slot] = {}
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._next_name = 0
+        self._restarting: dict[str, asyncio.Task[None]] = {}
+        self._restart_attempts: dict[str, int] = {}
+        self.last_error: BaseException | None = None
+        """The last server failure: the root cause when no server is left."""
         self.num_failures = 0
         self.num_retries = 0
+        self.num_restarts = 0
         items = servers.items() if isinstance(servers, Mapping) else ((None, s) for s in servers)
         for name, server in items:
             self.add_server(server, name=name)
@@ -150,6 +195,8 @@ class ServerManager:
             "in_flight": float(sum(s.in_flight for s in self._slots.values())),
             "server_failures": float(self.num_failures),
             "generate_retries": float(self.num_retries),
+            "server_restarts": float(self.num_restarts),
+            "servers_restarting": float(len(self._restarting)),
         }
 
     # --- routing ----------------------------------------------------------------------
@@ -160,7 +207,7 @@ class ServerManager:
             self._sticky.move_to_end(session_id)
             return name
         if not self._slots:
-            raise NoServerAvailableError("no rollout server is available (all failed or removed)")
+            raise self._none_left() from self.last_error
         name = min(self._slots, key=lambda n: (self._slots[n].in_flight, self._slots[n].served))
         self._sticky[session_id] = name
         self._sticky.move_to_end(session_id)
@@ -168,16 +215,82 @@ class ServerManager:
             self._sticky.popitem(last=False)
         return name
 
+    def _none_left(self) -> NoServerAvailableError:
+        if self.last_error is None:
+            return NoServerAvailableError("no rollout server is available (all were removed)")
+        root = error_headline(self.last_error)
+        return NoServerAvailableError(f"{root} (no rollout server is left: all failed)", root_cause=root)
+
+    async def _pick_or_wait(self, session_id: str) -> str:
+        """`_pick`, waiting for a pending restart when no server is in rotation."""
+        while not self._slots and self._restarting:
+            await asyncio.wait(list(self._restarting.values()), return_when=asyncio.FIRST_COMPLETED)
+        return self._pick(session_id)
+
+    def mark_failed(self, name: str, error: BaseException) -> None:
+        """Take a server that failed outside `generate` (a weight update, a health
+        check) out of rotation, exactly as a failed call would."""
+        slot = self._slots.get(name)
+        if slot is not None:
+            self._fail(name, slot, error)
+
     def _fail(self, name: str, slot: _Slot, error: BaseException) -> None:
         if self._slots.get(name) is not slot:
             return  # another call already took it out
         self.num_failures += 1
+        self.last_error = error
         logger.warning(
-            "rollout server %s failed (%s: %s); taking it out of rotation", name, type(error).__name__, error
+            "rollout server %s failed (%s); taking it out of rotation", name, error_headline(error)
         )
         self.remove_server(name)
         if self.on_server_failure is not None:
             self.on_server_failure(name, error)
+        if self.restart is not None and self._restart_attempts.get(name, 0) < self.max_restarts:
+            self._restarting[name] = asyncio.get_running_loop().create_task(
+                self._restart(name, error), name=f"restart-{name}"
+            )
+        elif self.restart is not None and self.max_restarts:
+            logger.error(
+                "rollout server %s: its %d restart(s) are spent; it stays down", name, self.max_restarts
+            )
+
+    async def _restart(self, name: str, error: BaseException) -> None:
+        """Restart attempts for `name` with exponential backoff, within the budget."""
+        assert self.restart is not None
+        try:
+            while self._restart_attempts.get(name, 0) < self.max_restarts:
+                attempt = self._restart_attempts[name] = self._restart_attempts.get(name, 0) + 1
+                delay = self.restart_backoff_s * 2 ** (attempt - 1)
+                logger.warning(
+                    "restarting rollout server %s in %.1fs (attempt %d of %d)",
+                    name,
+                    delay,
+                    attempt,
+                    self.max_restarts,
+                )
+                await asyncio.sleep(delay)
+                try:
+                    server = await self.restart(name, error)
+                except Exception as e:  # a failed restart is one spent attempt, not the run's end
+                    error = self.last_error = e
+                    logger.error("restarting rollout server %s failed: %s", name, error_headline(e))
+                    continue
+                self.add_server(server, name=name)
+                self.num_restarts += 1
+                logger.warning("rollout server %s is back in rotation (restart %d)", name, attempt)
+                return
+            logger.error(
+                "rollout server %s: its %d restart(s) are spent; it stays down", name, self.max_restarts
+            )
+        finally:
+            self._restarting.pop(name, None)
+
+    async def close(self) -> None:
+        """Cancel pending restarts (the run is ending)."""
+        tasks = list(self._restarting.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def generate(
         self,
@@ -194,7 +307,7 @@ class ServerManager:
         """
         session = session_id or request_id
         while True:
-            name = self._pick(session)
+            name = await self._pick_or_wait(session)
             slot = self._slots[name]
             slot.in_flight += 1
             slot.served += 1

@@ -197,6 +197,12 @@ class RolloutConfig(_Section):
     """LRU bound on the request→server map of the server manager."""
     server_threads: int = Field(1, ge=1)
     """torch threads per rollout server process."""
+    server_restarts: int = Field(2, ge=0, le=100)
+    """Restarts attempted per rollout server whose engine died (vLLM's engine core crashed
+    or was killed); its episodes move to the other servers meanwhile. 0 = a dead server
+    stays down. When no server is left the run stops with the engine's error, exit 1."""
+    server_restart_backoff_s: float = Field(5.0, ge=0.0, le=600.0)
+    """Wait before a server's first restart; doubled for each further attempt."""
 
     @model_validator(mode="before")
     @classmethod
@@ -242,6 +248,14 @@ class AgentConfig(_Section):
     """An episode (all its turns, tools and its reward) that takes longer is stopped and
     counted failed, freeing its capacity: a hung tool or a dead server cannot hold a
     straggler the trainer waits for (docs/design.md §10.4)."""
+    fail_fast_groups: int = Field(4, ge=0, le=10_000)
+    """The run stops (first error's traceback, exit 1) when every episode of the first
+    this-many groups fails (a broken reward, agent loop or engine); 0 = off."""
+    max_failure_ratio: float = Field(0.5, gt=0.0, le=1.0)
+    """The run stops when more than this share of the last `failure_window` episodes
+    failed: failed episodes must not loop without bound. 1.0 = off."""
+    failure_window: int = Field(256, ge=1, le=1_000_000)
+    """Episodes (the most recent) over which `max_failure_ratio` is judged."""
 
 
 class StalenessConfig(_Section):

@@ -47,6 +47,23 @@ def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: 
     return RolloutSide(cfg, data_addr, control_addr, user=user).run()
 
 
+def _rollout_death_message(error: BaseException) -> str:
+    """Why the rollout side died, its root cause on the first line (the line the CLI
+    prints after `error:`), then its own account (a `RolloutFailedError` carries why it
+    stopped and the first error's traceback). Ray wraps the task's exception in a
+    `RayTaskError` whose text starts with Ray's own header; its `cause` is the original."""
+    from rollout_cluster.server_manager import error_headline
+
+    cause = getattr(error, "cause", None)
+    root = cause if isinstance(cause, BaseException) else error
+    headline = error_headline(root)
+    if headline.startswith("RayTaskError") or headline.startswith("ray::"):
+        lines = [x for x in str(error).splitlines() if x.strip() and not x.startswith("ray::")]
+        headline = lines[-1].strip() if lines else headline
+    rest = str(root).strip().split("\n", 1)[1] if "\n" in str(root).strip() else ""
+    return f"{headline}\n(the rollout side died: {type(root).__name__})" + (f"\n{rest}" if rest else "")
+
+
 def init_ray(**kwargs: Any) -> None:
     """`ray.init`, keeping the caller's SIGTERM and SIGINT handlers.
 
@@ -119,8 +136,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
             try:
                 out = ray.get(ref)
             except Exception as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                raise RuntimeError(f"the rollout side died ({type(e).__name__}: {first})") from e
+                raise RuntimeError(_rollout_death_message(e)) from e
             raise RuntimeError(f"the rollout side stopped before the trainer finished: {out}")
 
     trainer.check_peers = check_rollout

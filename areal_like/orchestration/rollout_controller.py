@@ -41,6 +41,7 @@ from areal_like.core.types import (
     WeightUpdateMeta,
 )
 from areal_like.orchestration.dataset import PromptSource
+from areal_like.orchestration.fail_fast import FailFast
 
 __all__ = ["RolloutController", "RolloutRefused"]
 
@@ -77,6 +78,7 @@ class RolloutController:
         stats_every_s: float = 2.0,
         eval_timeout_s: float = 60.0,
         episode_timeout_s: float = 600.0,
+        fail_fast: FailFast | None = None,
     ) -> None:
         self.gate = gate
         self.source = source
@@ -98,6 +100,8 @@ class RolloutController:
         self.episode_timeout_s = episode_timeout_s
         self._admitted: dict[str, int] = {}
         """Running group id → loaded version when it was admitted."""
+        self.fail_fast = fail_fast or FailFast()
+        """Stops the run (`RolloutFailedError`) when episodes keep failing (fail_fast.py)."""
         self.announcements: asyncio.Queue[VersionAnnouncement] = asyncio.Queue()
         self.started = 0
         self.cancelled = 0
@@ -145,6 +149,7 @@ class RolloutController:
                     await asyncio.wait_for(self._wake.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
+                self.fail_fast.raise_if_tripped()
         finally:
             await self._shutdown(control, stats)
 
@@ -169,6 +174,7 @@ class RolloutController:
         trajs = [r for r in results if isinstance(r, Trajectory)]
         reasons = [r for r in results if isinstance(r, str) and r != "rejected"]
         rejected = sum(1 for r in results if r == "rejected")
+        self.fail_fast.group(len(reasons), self.n)
         group = TrajectoryGroup(
             group_id=gid, trajectories=trajs, failed=len(reasons), rejected=rejected, failure_reasons=reasons[:4]
         )
@@ -187,6 +193,7 @@ class RolloutController:
     async def _episode(self, row: dict[str, Any], gid: str, i: int) -> Trajectory | str:
         eid = f"{gid}-e{i}"
         sampling = self.sampling.model_copy(update={"seed": _episode_seed(self.seed, gid, i)})
+
         async def attempt() -> tuple[AgentLoopOutput | None, float]:
             out = await self.run_episode(row, sampling, eid)
             return out, (await self.score(row, out) if out is not None else 0.0)
@@ -198,9 +205,12 @@ class RolloutController:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 reason = f"EpisodeTimeout: longer than agent.episode_timeout_s={self.episode_timeout_s:g}"
-                log.warning("episode %s failed: %s", eid, reason)
+                self.fail_fast.episode(TimeoutError(reason))
+                if self.fail_fast.should_log():
+                    log.warning("episode %s failed: %s", eid, reason)
                 return reason
             out, reward = task.result()
+            self.fail_fast.episode(None)
             if out is None:
                 return "rejected"
             return Trajectory(
@@ -222,7 +232,11 @@ class RolloutController:
             raise
         except Exception as e:  # one bad episode must not stop the run: count it, say why
             reason = f"{type(e).__name__}: {e}"
-            log.warning("episode %s failed: %s", eid, reason)
+            self.fail_fast.episode(e)  # ... but many do (fail_fast.py)
+            if self.fail_fast.should_log():
+                log.warning("episode %s failed: %s (%d failed so far)", eid, reason, self.fail_fast.failed)
+            if self.fail_fast.tripped is not None:
+                self._wake.set()
             return reason[:300]
 
     # ---- control: announcements and weights ------------------------------------------------

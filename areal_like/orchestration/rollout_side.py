@@ -44,6 +44,8 @@ class RolloutSide:
                 )
         self.servers: list[Any] = []
         self._rates = _Rates()
+        self._weights_lock = asyncio.Lock()
+        self._last_weights: tuple[int, list[Any]] | None = None
 
     def run(self) -> dict[str, Any]:
         return asyncio.run(self.main())
@@ -53,6 +55,7 @@ class RolloutSide:
 
         from areal_like.orchestration.bridge import drive_rollout, make_sender
         from areal_like.orchestration.channels import ControlSubscriber, DataPusher
+        from areal_like.orchestration.fail_fast import FailFast
         from areal_like.orchestration.rollout_controller import RolloutController
 
         cfg = self.cfg
@@ -83,13 +86,15 @@ class RolloutSide:
             loaded_version=0,
             seed=cfg.run.seed,
             episode_timeout_s=cfg.agent.episode_timeout_s,
+            fail_fast=FailFast.from_config(cfg.agent),
         )
         try:
             await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
                                 address=self.control_addr)
         finally:
+            await self.manager.close()
             for s in self.servers:
-                await s.close()
+                await _close_quietly(s)
             self.receiver.close()
             pusher.close()
             subscriber.close()
@@ -100,20 +105,41 @@ class RolloutSide:
         from areal_like.models.tiny_model import load_tokenizer
         from areal_like.orchestration.preflight import resolve_model_path
         from rollout_cluster.agent_loop.runner import AgentRunner
-        from rollout_cluster.server import RolloutServer
         from rollout_cluster.server_manager import ServerManager
 
         cfg = self.cfg
         model_path = resolve_model_path(cfg)
         self.tokenizer = load_tokenizer(model_path)
-        self.servers = [
-            RolloutServer(model_path, self.tokenizer, engine_config=cfg.rollout.engine,
-                          interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i, set_threads=False)
-            for i in range(cfg.rollout.num_servers)
-        ]
-        self.manager = ServerManager(self.servers, max_sticky_sessions=cfg.rollout.max_sticky_sessions)
+        self._model_path = model_path
+        self.servers = [self._new_server(i) for i in range(cfg.rollout.num_servers)]
+        self.manager = ServerManager(
+            {f"server-{i}": s for i, s in enumerate(self.servers)},
+            max_sticky_sessions=cfg.rollout.max_sticky_sessions,
+            restart=self._restart_server, max_restarts=cfg.rollout.server_restarts,
+            restart_backoff_s=cfg.rollout.server_restart_backoff_s,
+        )
         overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}
         return AgentRunner.from_config(cfg, server_manager=self.manager, tokenizer=self.tokenizer, **overrides)
+
+    def _new_server(self, i: int) -> Any:
+        from rollout_cluster.server import RolloutServer
+
+        cfg = self.cfg
+        return RolloutServer(self._model_path, self.tokenizer, engine_config=cfg.rollout.engine,
+                             interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i, set_threads=False)
+
+    async def _restart_server(self, name: str, error: BaseException) -> Any:
+        """The server manager's restart hook: a fresh server in place of a dead one, with
+        the weights the others serve loaded before it takes any call."""
+        i = int(name.rsplit("-", 1)[1])
+        await _close_quietly(self.servers[i])
+        server = await asyncio.to_thread(self._new_server, i)
+        async with self._weights_lock:
+            if self._last_weights is not None:
+                version, named = self._last_weights
+                await server.update_weights(named, version)
+        self.servers[i] = server
+        return server
 
     def _build_source(self, runner: Any) -> Any:
         from areal_like.orchestration.dataset import PromptSource, load_rows
@@ -160,10 +186,20 @@ class RolloutSide:
     async def apply_weights(self, meta: WeightUpdateMeta) -> int:
         """Receive version `meta.version` and load it into every server (each interrupts,
         drops its KV, loads, re-prefills and resumes by itself)."""
-        version, tensors = await asyncio.to_thread(self.receiver.receive, meta)
-        named = list(tensors)  # views into the receive buffer: every server copies them in
-        for s in self.servers:
-            await s.update_weights(named, version)
+        from rollout_cluster.engine.base import EngineDeadError
+
+        async with self._weights_lock:
+            version, tensors = await asyncio.to_thread(self.receiver.receive, meta)
+            named = list(tensors)  # views into the receive buffer: every server copies them in
+            self._last_weights = (version, named)  # for a server restarted later
+            live = set(self.manager.server_names)
+            for i, s in enumerate(self.servers):
+                if f"server-{i}" not in live:
+                    continue  # dead or restarting: a restart loads the latest weights itself
+                try:
+                    await s.update_weights(named, version)
+                except EngineDeadError as e:  # one dead engine must not keep the others on old weights
+                    self.manager.mark_failed(f"server-{i}", e)
         return version
 
     async def join_weights(self, ann: VersionAnnouncement) -> None:
@@ -194,6 +230,15 @@ class RolloutSide:
             server_failures=manager["server_failures"],
             generate_retries=manager["generate_retries"],
         )
+
+
+async def _close_quietly(server: Any) -> None:
+    """Close a server whose engine may be dead already: shutting a dead engine down can
+    raise, and must not hide why the run is stopping."""
+    try:
+        await server.close()
+    except Exception as e:
+        log.warning("closing a rollout server failed: %s: %s", type(e).__name__, e)
 
 
 class _Rates:

