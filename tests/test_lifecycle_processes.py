@@ -62,7 +62,7 @@ def test_rollout_restart_and_trainer_restart_mid_run_end_in_a_whole_audited_run(
     rollout side keeps running: it re-bases on the new trainer epoch and the run ends."""
     run_dir = tmp_path / "run"
     train_args, rollout_args = _split_args(tiny_model_dir, run_dir, "train.total_steps=8",
-                                           "run.checkpoint_every_n_steps=2")
+                                           "run.checkpoint_every_n_steps=2", "weight_sync.timeout_s=10")
     trainer = Launch(train_args, tmp_path / "train1.log", _env())
     r1 = Launch(rollout_args, tmp_path / "rollout1.log", _env())
     launches = [trainer, r1]
@@ -75,8 +75,12 @@ def test_rollout_restart_and_trainer_restart_mid_run_end_in_a_whole_audited_run(
               trainer, timeout=60)
         r2 = Launch(rollout_args, tmp_path / "rollout2.log", _env())
         launches.append(r2)
+        _poll("the new rollout side joining", lambda: trainer.output().count(" joined (trainer epoch 0)") >= 2,
+              trainer, timeout=120)
+        at_join = max(_steps(run_dir), default=0)
         _poll("a checkpoint after the new rollout side joined",
-              lambda: any((run_dir / "checkpoints").glob("v*/COMPLETE")) and max(_steps(run_dir)) >= 3, trainer)
+              lambda: any(int(p.parent.name[1:]) > at_join for p in (run_dir / "checkpoints").glob("v*/COMPLETE")),
+              trainer)
         os.killpg(trainer.p.pid, signal.SIGKILL)  # the trainer dies without a word
         trainer.wait(timeout=60)
         _poll("the rollout side noticing", lambda: "declared gone" in r2.output(), r2, timeout=60)

@@ -446,7 +446,10 @@ def _term_as_interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> None:
+    import faulthandler
     import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
 
     # SIGTERM stops a run the way Ctrl-C does: the finally blocks tear down Ray and sockets.
     signal.signal(signal.SIGTERM, _term_as_interrupt)
