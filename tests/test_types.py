@@ -89,3 +89,16 @@ def test_agent_loop_output_fields_are_typed_and_old_extra_dicts_still_work():
     assert legacy.final_text == "7" and legacy.termination == "stop" and legacy.extra == {"mine": [1]}
     with pytest.raises(ValueError):
         AgentLoopOutput(**base, stop_reason="exploded")
+
+
+def test_engine_specific_numbers_reach_the_flat_record_and_the_dashboard_series():
+    from areal_like.core.types import RolloutCounters, RolloutStats
+    from areal_like.orchestration.dashboard import SERIES
+
+    s = RolloutStats(time=0.0, loaded_version=1, started=2, running=0,
+                     counters=RolloutCounters(kv_usage=0.5, engine={"vllm_preemptions": 3.0, "vllm_num_waiting": 2.0}))
+    flat = s.flat()
+    assert flat["vllm_preemptions"] == 3.0 and flat["vllm_num_waiting"] == 2.0 and flat["kv_usage"] == 0.5
+    assert "engine" not in flat
+    names = {(name, field) for name, kind, field in SERIES if kind == "rollout"}
+    assert {("vllm_preemptions", "vllm_preemptions"), ("vllm_kv_cache_usage", "vllm_kv_cache_usage")} <= names

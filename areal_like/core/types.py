@@ -303,6 +303,10 @@ class RolloutCounters(_Strict):
     servers: float = 0.0
     server_failures: float = 0.0
     generate_retries: float = 0.0
+    server_restarts: float = 0.0
+    engine: dict[str, float] = Field(default_factory=dict)
+    """An engine's own numbers beside the engine-agnostic ones, summed over servers (vLLM:
+    `vllm_kv_cache_usage`, `vllm_num_waiting`, `vllm_preemptions`, ...)."""
 
 
 class EvalResult(_Strict):
@@ -345,7 +349,9 @@ class RolloutStats(_Strict):
         out: dict[str, float] = {f"gate_{k}": float(v) for k, v in self.gate.model_dump().items()}
         out.update({f"outcome_{k}": float(v) for k, v in self.outcomes.model_dump().items()})
         out.update({f"data_{k}": float(v) for k, v in self.data_position.items()})
-        out.update(self.counters.model_dump())
+        counters = self.counters.model_dump()
+        out.update(counters.pop("engine"))
+        out.update(counters)
         return out
 
 

@@ -59,6 +59,7 @@ previous reply's `latest_time` as the next `since` and appends):
         trainer_idle_ratio, rollout_idle_ratio                    fraction of time waiting
         interrupts, interrupted_tokens, recompute_tokens          cumulative
         pause_resume_latency_s_max                                seconds
+        vllm_kv_cache_usage, vllm_num_waiting, vllm_preemptions   vLLM's own (vLLM engine only)
         weight_sync_s, weight_sync_bytes                          per synced step
         straggler_wait_s                                          per train step: waited for
                                                                   a group η would otherwise drop
@@ -121,6 +122,9 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("interrupted_tokens", "rollout", "interrupted_tokens"),
     ("recompute_tokens", "rollout", "recompute_tokens"),
     ("pause_resume_latency_s_max", "rollout", "pause_resume_latency_s_max"),
+    ("vllm_kv_cache_usage", "rollout", "vllm_kv_cache_usage"),
+    ("vllm_num_waiting", "rollout", "vllm_num_waiting"),
+    ("vllm_preemptions", "rollout", "vllm_preemptions"),
     ("weight_sync_s", "train_step", "weight_sync_s"),
     ("straggler_wait_s", "train_step", "straggler_wait_s"),
     ("weight_sync_bytes", "train_step", "weight_sync_bytes"),

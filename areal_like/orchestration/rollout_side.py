@@ -229,6 +229,9 @@ class RolloutSide:
             servers=manager["servers"],
             server_failures=manager["server_failures"],
             generate_retries=manager["generate_retries"],
+            server_restarts=manager.get("server_restarts", 0.0),
+            engine={k: total(k) / (len(per) if k.endswith("usage") else 1)  # a usage is a mean, counts add
+                    for k in sorted({k for m in per for k in m if k.startswith("vllm_")})},
         )
 
 

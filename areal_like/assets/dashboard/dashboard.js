@@ -24,6 +24,8 @@
     { id: "chart-interrupts", step: true, series: [["interrupted_tokens", "interrupted tokens"],
       ["recompute_tokens", "recompute tokens"]], extra: [["interrupts", "interrupts"]] },
     { id: "chart-pause-resume", series: [["pause_resume_latency_s_max", "pause→resume (max)"]] },
+    { id: "chart-vllm", series: [["vllm_kv_cache_usage", "KV cache usage"], ["vllm_num_waiting", "waiting"],
+      ["vllm_preemptions", "preemptions"]] },
     { id: "chart-weight-sync", dots: true, series: [["weight_sync_s", "weight sync"], ["straggler_wait_s", "straggler wait"]] },
     { id: "chart-weight-sync-bytes", dots: true, series: [["weight_sync_bytes", "bytes"]] },
     { id: "chart-reward", series: [["reward_mean", "reward (trained)"], ["reward_mean_all_groups", "reward (all groups)"], ["eval_accuracy", "eval accuracy"]], dotsFor: ["eval_accuracy"] },
