@@ -44,6 +44,10 @@ training because an engine died): it logs, records it in `last_transfer`, and th
 the meta at once; the broadcast runs on a background thread while the trainer goes on
 training (the broadcast cannot start before receivers have the meta anyway). The next
 `send` first waits for the previous transfer to end.
+
+One file over ~600 lines on purpose: sender and receiver share the group protocol
+(generations, the store's membership keys, the header and the bucket layout), and are
+easier to check against each other side by side.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import torch
 from areal_like.core.config import EmbeddedEngineConfig
 from areal_like.core.types import SamplingParams
 from rollout_cluster.engine import InvalidSamplingParamsError, PromptTooLongError
-from rollout_cluster.http_api import prometheus_text, sampling_from_openai
+from rollout_cluster.http_api import prometheus_text
+from rollout_cluster.openai_protocol import sampling_from_openai
 from rollout_cluster.server import RolloutServer
 from rollout_cluster.sessions import SessionTokens
 
@@ -172,7 +173,7 @@ HERMES_REPLY = 'Checking.<tool_call>{"name": "calculator", "arguments": {"expres
 
 
 def test_assistant_turn_parses_hermes_markup_into_tool_calls():
-    from rollout_cluster.http_api import assistant_turn
+    from rollout_cluster.openai_protocol import assistant_turn
     from rollout_cluster.tool_parser import HermesToolParser
 
     parser = HermesToolParser()
@@ -201,7 +202,7 @@ def test_assistant_turn_parses_hermes_markup_into_tool_calls():
 
 
 def test_messages_content_parts_and_template_arguments():
-    from rollout_cluster.http_api import ApiError, normalize_messages, template_messages
+    from rollout_cluster.openai_protocol import ApiError, normalize_messages, template_messages
 
     msgs = normalize_messages(
         [
@@ -227,7 +228,7 @@ def test_messages_content_parts_and_template_arguments():
 
 
 def test_output_options_are_checked_as_openai_checks_them():
-    from rollout_cluster.http_api import ApiError, OutputOptions, output_options
+    from rollout_cluster.openai_protocol import ApiError, OutputOptions, output_options
 
     assert output_options({"logprobs": True, "top_logprobs": 3}, chat=True) == OutputOptions(
         False, False, True, 3
@@ -251,7 +252,7 @@ def test_output_options_are_checked_as_openai_checks_them():
 
 def test_logprob_shapes_and_stream_chunks():
     from areal_like.core.types import GenerateResult
-    from rollout_cluster.http_api import (
+    from rollout_cluster.openai_protocol import (
         AssistantTurn,
         chat_logprobs,
         chat_stream_chunks,
