@@ -1,5 +1,10 @@
 """vLLM backend behind the same `AsyncGenerateEngine` face as the embedded engine.
 
+One file on purpose, past the usual size: it is the whole boundary with vLLM (the pure
+request/result translation, the worker extension vLLM imports by this module's path, and
+the engine wrapper), so that a vLLM upgrade is read and changed in one place; the pure
+functions are tested on their own without vLLM (`tests/rollout/test_engine_vllm.py`).
+
 vLLM's `AsyncLLM` (v1) is already asynchronous, so this adapter implements the async
 surface directly instead of a `step()` loop. The interrupt protocol of docs/design.md
 §9.1 stays inside the engine boundary, by abort + resubmit:
