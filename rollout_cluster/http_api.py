@@ -295,8 +295,12 @@ class HttpServer:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
         except UnicodeDecodeError:
             raise ApiError(400, "request body is not UTF-8 text") from None
+        except RecursionError:
+            raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
+        if _depth(body) > MAX_JSON_DEPTH:  # later steps (templates, hashing) recurse over it
+            raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
         return body
 
     def _check_model(self, body: dict[str, Any]) -> None:
@@ -515,3 +519,22 @@ class HttpServer:
         if request.query.get("format") == "json":
             return web.json_response(metrics)
         return web.Response(text=prometheus_text(metrics), content_type="text/plain")
+
+
+MAX_JSON_DEPTH = 64
+"""No OpenAI request nests deeper; a deeper body is refused with a 400, never a crash."""
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_JSON_DEPTH:
+            return d
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return deepest

@@ -353,6 +353,8 @@ def test_http_errors_have_openai_shape(monkeypatch):
                     ("GET", "/v1/models/other", {}),
                     ("POST", "/v1/completions", {"json": {"prompt": [1], "model": "nope"}}),
                     ("POST", "/v1/completions", {"json": {"prompt": "text needs a tokenizer"}}),
+                    ("POST", "/v1/completions", {"data": b'{"prompt": ' + b"[" * 300 + b"]" * 300 + b"}",
+                                                 "headers": {"Content-Type": "application/json"}}),
                 ]:
                     async with s.request(method, url + path, **kw) as r:
                         out.append((r.status, await r.json()))
@@ -361,7 +363,7 @@ def test_http_errors_have_openai_shape(monkeypatch):
             await http.stop()
 
     got = asyncio.run(main())
-    assert [status for status, _ in got] == [404, 405, 413, 404, 404, 400]
+    assert [status for status, _ in got] == [404, 405, 413, 404, 404, 400, 400]
     for _, body in got:
         assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
     assert (
@@ -370,3 +372,30 @@ def test_http_errors_have_openai_shape(monkeypatch):
     )
     assert got[3][1]["error"]["code"] == got[4][1]["error"]["code"] == "model_not_found"
     assert "tokenizer" in got[5][1]["error"]["message"]
+    assert "nests deeper than 64 levels" in got[6][1]["error"]["message"]  # used to be a 500
+
+
+def test_json_too_deep_for_the_parser_is_a_400_not_a_500():
+    """100 000 levels of nesting made the JSON decoder raise RecursionError: a 500."""
+    from rollout_cluster import http_api
+
+    class Stub:
+        version = 0
+        model_name = "m"
+        tokenizer = None
+        counters = {"http_requests": 0.0, "http_errors": 0.0}
+
+    async def main():
+        http = http_api.HttpServer(Stub())
+        url = await http.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+                async with s.post(url + "/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    return r.status, await r.json()
+        finally:
+            await http.stop()
+
+    status, body = asyncio.run(main())
+    assert status == 400 and "nests deeper than 64 levels" in body["error"]["message"], body
