@@ -368,8 +368,8 @@ class TrainerController:
         transfer reaches only receivers registered when it starts, and the controller
         registers on its first announcement."""
         v, r = self.trainer.version, self.rollout
-        if v == 0 or self._stopping:
-            return
+        if v == 0 or self._stopping or (r is not None and self.peers.accepted is None):
+            return  # nothing new yet, or the rollout side is gone: nobody to feed until one joins
         if r is not None and (r.loaded_version >= v or self.peers.delivered(self.peers.accepted) > 0):
             return
         now = time.time()
