@@ -231,15 +231,15 @@ class TrainerController:
         self._announce(weights=self.resumed_meta, data_position=self.data_position, force=True)
         t_wait = time.time()
         while self.trainer.version < cfg.train.total_steps:
+            t_loop = time.time()
             self._drain(timeout_s=0.05)
             v = self.trainer.version
-            t_check = time.time()
             stragglers = self._stragglers(v)
             groups = None if stragglers else self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
             if groups is None:
                 self._while_waiting(v)
                 if stragglers and self.buffer.num_groups >= cfg.train.batch_size:
-                    self.straggler_wait_s += time.time() - t_check
+                    self.straggler_wait_s += time.time() - t_loop
                 continue
             self.idle_s += time.time() - t_wait
             t0 = time.time()
