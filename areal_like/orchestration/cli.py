@@ -20,7 +20,15 @@ app.add_typer(model_app, name="model")
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    """One `error:` line; a longer account keeps its root cause on the first `error:` line
+    and what happened to the run (and how to resume) on the last."""
+    first, *middle = msg.splitlines() or [""]
+    typer.secho(f"error: {first}", fg=typer.colors.RED, err=True)
+    if middle:
+        *middle, last = middle
+        for line in middle:
+            typer.echo(line, err=True)
+        typer.secho(f"error: {last}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
 

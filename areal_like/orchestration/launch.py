@@ -61,7 +61,7 @@ def _rollout_death_message(error: BaseException) -> str:
         lines = [x for x in str(error).splitlines() if x.strip() and not x.startswith("ray::")]
         headline = lines[-1].strip() if lines else headline
     rest = str(root).strip().split("\n", 1)[1] if "\n" in str(root).strip() else ""
-    return f"{headline}\n(the rollout side died: {type(root).__name__})" + (f"\n{rest}" if rest else "")
+    return f"{headline}\n" + (f"{rest}\n" if rest else "") + f"the rollout side died ({type(root).__name__})"
 
 
 def init_ray(**kwargs: Any) -> None:
