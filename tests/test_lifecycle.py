@@ -163,7 +163,9 @@ def test_a_vanished_rollout_side_is_declared_lost_and_a_new_one_finishes_the_run
     threading.Thread(target=later, daemon=True).start()
     with caplog.at_level(logging.WARNING):
         summary, recs = h.finish()
-    assert gone.get("vanished")
+    # it stopped feeding either way: cancelled, or (its thread starved past the cancel on a
+    # loaded machine) told by the trainer that another controller took over
+    assert gone.get("vanished") or "already has a rollout controller" in gone.get("refused", ""), gone
     assert "declared lost" in caplog.text
     assert h.trainer.version == 30
     assert _adds_up(summary) and recs[-1]["counts_add_up"], summary
