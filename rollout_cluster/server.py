@@ -125,6 +125,10 @@ class RolloutServer:
             "weight_update_seconds_total": 0.0,
         }
         self._http: Any = None  # http_api.HttpServer while serving
+        self._receiver: Any = None
+        self._receiver_name = "server"
+        self._receive_timeout_s = 120.0
+        self._joined: str | None = None
 
     @classmethod
     def from_config(
@@ -258,6 +262,57 @@ class RolloutServer:
         dt = time.perf_counter() - t0
         self.counters["weight_update_seconds_total"] += dt
         logger.info("loaded weights version %d in %.3fs", version, dt)
+
+    # ---- weights straight from the trainer -----------------------------------------
+
+    def attach_receiver(self, receiver: Any, name: str, timeout_s: float = 120.0) -> None:
+        """Give this server its own end of the weight transport (a `WeightReceiver`), so
+        the trainer's versions reach it directly (docs/design.md §10.5). `name` is this
+        server's member name in the weight group."""
+        self._receiver, self._receiver_name, self._receive_timeout_s = receiver, name, timeout_s
+
+    async def join_weights(self, rendezvous: str) -> None:
+        """Register in the trainer's weight group at `rendezvous`, so the next version
+        includes this server (a transfer reaches only members registered before it)."""
+        join = getattr(self.engine, "join_weights", None)
+        if join is not None:  # the engine receives in its own workers (vLLM)
+            await join(rendezvous, self._receiver_name)
+            return
+        if self._receiver is not None and rendezvous != self._joined:
+            await asyncio.to_thread(self._receiver.join, rendezvous)
+            self._joined = rendezvous
+
+    async def receive_weights(self, meta: Any, rendezvous: str | None = None) -> int:
+        """Receive version `meta.version` from the trainer and load it (in-flight requests
+        interrupted, KV dropped and re-prefilled per `interrupt_mode`). A failed receive
+        raises `WeightSyncError` and leaves the server on its old version, serving."""
+        t0 = time.perf_counter()
+        engine_receive = getattr(self.engine, "receive_weights", None)
+        if engine_receive is not None:  # vLLM: every worker is a member and loads in place
+            version = await engine_receive(meta, rendezvous, self._receiver_name, self._receive_timeout_s)
+        else:
+            if self._receiver is None:
+                raise RuntimeError("this server has no weight receiver (attach_receiver was not called)")
+            if rendezvous:
+                await self.join_weights(rendezvous)
+            version, tensors = await asyncio.to_thread(self._receiver.receive, meta)
+            await self.engine.update_weights(list(tensors), version)
+        dt = time.perf_counter() - t0
+        self.counters["weight_update_seconds_total"] += dt
+        logger.info("received and loaded weights version %d in %.3fs", version, dt)
+        return version
+
+    async def export_weights(self) -> list[tuple[str, Any]]:
+        """The served weights by HF name (copies), for a restarted sibling to start from
+        the version the others serve. The embedded engine only."""
+        call = getattr(self.engine, "call", None)
+        if call is None:
+            raise RuntimeError(f"{type(self.engine).__name__} cannot export its weights")
+
+        def grab(engine: Any) -> list[tuple[str, Any]]:
+            return [(n, t.detach().to("cpu", copy=True)) for n, t in engine.model.state_dict().items()]
+
+        return await call(grab)
 
     # ---- health and metrics ---------------------------------------------------------
 

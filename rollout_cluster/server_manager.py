@@ -97,7 +97,8 @@ class RayServer:
     """A Ray actor handle of a `RolloutServer` seen as a plain async server.
 
     `handle.generate.remote(...)` returns an awaitable `ObjectRef`; a dead actor
-    raises a `RayActorError`, which the manager treats as a server failure.
+    raises a `RayActorError`, which the manager treats as a server failure; an error the
+    server raised is re-raised as itself (a `ValueError` for a bad request stays one).
     """
 
     def __init__(self, handle: Any, name: str | None = None) -> None:
@@ -107,9 +108,19 @@ class RayServer:
     async def generate(
         self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
     ) -> GenerateResult:
-        return await self.handle.generate.remote(
-            request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
-        )
+        from ray.exceptions import RayTaskError
+
+        try:
+            return await self.handle.generate.remote(
+                request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+            )
+        except RayTaskError as e:
+            # The server raised: its own error, not Ray's wrapping (which is also a RayError
+            # and would read as a dead server): a refused request stays the request's fault.
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
 
 @dataclass

@@ -164,12 +164,22 @@ def _patch(module):
 
     cls = module.RolloutServer
     original_init, original_generate = cls.__init__, cls.generate
-    built = [0]
+
+    def claim():
+        """This server's number over the whole run: each server (and a restart) is its
+        own process, so the count lives in a folder of numbered files."""
+        d = os.environ["AREAL_TEST_INSTANCE_DIR"]
+        i = 1
+        while True:
+            try:
+                os.close(os.open(os.path.join(d, str(i)), os.O_CREAT | os.O_EXCL))
+                return i
+            except FileExistsError:
+                i += 1
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        built[0] += 1
-        self._dies = built[0] <= _INSTANCES
+        self._dies = claim() <= _INSTANCES
         self._calls = 0
 
     async def generate(self, **kwargs):
@@ -211,10 +221,11 @@ def _launch(tmp_path: Path, model: Path, *, after: int, restarts: int, instances
             steps: int = 3) -> tuple[int, str, float]:
     hooks = tmp_path / "hooks"
     hooks.mkdir()
+    (tmp_path / "instances").mkdir()
     (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "AREAL_TEST_ENGINE_DIES_AFTER": str(after),
-           "AREAL_TEST_DYING_INSTANCES": str(instances)}
+           "AREAL_TEST_DYING_INSTANCES": str(instances), "AREAL_TEST_INSTANCE_DIR": str(tmp_path / "instances")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     sets = [f"model.path={model}", f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}",
             "train.batch_size=2", "rollout.group_size=4", "rollout.response_length=24",

@@ -113,3 +113,19 @@ def test_counts_that_do_not_add_up_exit_3() -> None:
     with pytest.raises(typer.Exit) as e:
         _end({**good, "started": 9}, "run")
     assert e.value.exit_code == 3
+
+
+def test_joining_a_ray_cluster_beyond_loopback_needs_token_auth_or_the_explicit_opt_out(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    code, out, _ = _cli("train", "configs/quickstart.yaml", "--set", f"run.dir={tmp_path / 'run'}",
+                        "--set", "cluster.ray_address=10.1.2.3:6379")
+    assert code == 2 and "error: cluster.ray_address=10.1.2.3:6379: joining a Ray cluster beyond loopback " \
+                          "needs Ray's token auth" in out, out
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    preflight(_cfg(tmp_path, "cluster.ray_address=10.1.2.3:6379"), "train")  # token auth: accepted
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    preflight(_cfg(tmp_path, "cluster.ray_address=10.1.2.3:6379", "cluster.allow_unauthenticated_ray=true"),
+              "train")
+    preflight(_cfg(tmp_path, "cluster.ray_address=127.0.0.1:6379"), "train")  # loopback: no auth needed

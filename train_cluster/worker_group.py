@@ -29,7 +29,7 @@ from areal_like.core.config import TorchBackendConfig, TrainConfig
 from areal_like.core.types import Trajectory
 from train_cluster.batch import TrainBatch, balanced_partition, build_batch
 
-__all__ = ["TrainWorkerGroup", "TrainWorkerDied"]
+__all__ = ["TrainWorkerGroup", "TrainWorkerDied", "WorkerWeightSender"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,52 @@ class _TrainWorker:
         return self.engine.compute_logprobs(batch)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        weights = [(n, t.to("cpu", copy=True)) for n, t in self.engine.named_weights()]
-        return weights if self.rank == 0 else None
+        """Rank 0's weights as CPU copies (final export, recorded weights); every rank takes
+        part in the gathers, only rank 0 copies."""
+        if self.rank != 0:
+            for _ in self.engine.named_weights():
+                pass
+            return None
+        return [(n, t.to("cpu", copy=True)) for n, t in self.engine.named_weights()]
+
+    # ---- the direct weight path (docs/design.md §10.5) -----------------------------------
+    def start_weight_sender(self, weight_sync: dict[str, Any], device: str, disk_path: str) -> str | None:
+        """Rank 0 hosts the weight sender (dist: its TCPStore and group; disk: the writer);
+        returns its rendezvous. Other ranks hold nothing."""
+        if self.rank != 0:
+            return None
+        from pydantic import TypeAdapter
+
+        from areal_like.core.config import WeightSyncConfig
+        from weight_sync import make_sender
+
+        cfg = TypeAdapter(WeightSyncConfig).validate_python(weight_sync)
+        self.sender = make_sender(cfg, device=device, default_disk_path=disk_path)
+        return self.sender.rendezvous
+
+    def send_weights(self, version: int) -> dict[str, Any] | None:
+        """Snapshot the weights as `version` into rank 0's sender, one tensor at a time
+        straight from the engine (FSDP/Megatron gather per tensor on every rank); the
+        broadcast to the servers runs on the sender's thread. Returns the meta (rank 0)."""
+        weights = self.engine.named_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return None
+        return self.sender.send(version, weights).model_dump(mode="json")
+
+    def weights_wait(self, timeout: float | None) -> tuple[Any, str | None]:
+        """(last transfer stats, None), or (None, why) while the transfer still runs."""
+        try:
+            return self.sender.wait(timeout), None
+        except Exception as e:
+            return None, str(e)
+
+    def close_weight_sender(self) -> None:
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            self.sender = None
+            sender.close()
 
     def save(self, path: str, extra: dict[str, Any] | None) -> None:
         self.engine.save(path, extra)
@@ -190,6 +234,14 @@ class TrainWorkerGroup:
         """Rank 0's HF-named weights (copies on CPU; tied duplicates dropped)."""
         yield from _get(self.workers, [w.named_weights.remote() for w in self.workers], "named_weights")[0]
 
+    def weight_sender(self, weight_sync: Any, device: str, disk_path: str | Path) -> WorkerWeightSender:
+        """The trainer's weight publisher: the sender lives in rank 0, so versions go from
+        the train workers straight to the servers, never through this driver."""
+        refs = [w.start_weight_sender.remote(weight_sync.model_dump(mode="json"), device, str(disk_path))
+                for w in self.workers]
+        rendezvous = _get(self.workers, refs, "start_weight_sender")[0]
+        return WorkerWeightSender(self, rendezvous)
+
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         _get(self.workers, [w.save.remote(str(path), extra) for w in self.workers], "save")
 
@@ -207,3 +259,53 @@ class TrainWorkerGroup:
             ray.kill(w)
         self.workers = []
 
+
+class WorkerWeightSender:
+    """The `WeightPublisher` the trainer controller sees when rank 0 holds the sender.
+
+    `send_current(version)` asks every rank to hand its weights to rank 0's sender (the
+    meta comes back, a few KB); `wait` and `last_transfer` ask rank 0. Nothing of the
+    weights crosses Ray's object store or reaches the driver.
+    """
+
+    def __init__(self, group: TrainWorkerGroup, rendezvous: str | None) -> None:
+        self.group = group
+        self._rendezvous = rendezvous
+        self._last: Any = None
+
+    @property
+    def rendezvous(self) -> str | None:
+        return self._rendezvous
+
+    @property
+    def last_transfer(self) -> Any:
+        return self._last
+
+    def send_current(self, version: int) -> Any:
+        from areal_like.core.types import WeightUpdateMeta
+
+        metas = _get(self.group.workers, [w.send_weights.remote(version) for w in self.group.workers],
+                     "send_weights")
+        return WeightUpdateMeta.model_validate(metas[0])
+
+    def send(self, version: int, named_tensors: Any) -> Any:
+        raise TypeError("the weights are sent from rank 0: call send_current(version)")
+
+    def wait(self, timeout: float | None = None) -> Any:
+        from weight_sync.meta import WeightSyncError
+
+        stats, error = _get(self.group.workers[:1], [self.group.workers[0].weights_wait.remote(timeout)],
+                            "weights_wait")[0]
+        if error is not None:
+            raise WeightSyncError(error)
+        self._last = stats
+        return stats
+
+    def close(self) -> None:
+        import ray
+
+        if self.group.workers:
+            try:
+                ray.get(self.group.workers[0].close_weight_sender.remote(), timeout=60)
+            except Exception as e:  # the worker may be gone; its store goes with it
+                logger.debug("closing rank 0's weight sender: %s", e)

@@ -78,7 +78,7 @@ from weight_sync.meta import (
     spec_of,
 )
 
-__all__ = ["DistWeightSender", "DistWeightReceiver", "parse_address"]
+__all__ = ["DistWeightSender", "DistWeightReceiver", "leave_group", "parse_address"]
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,8 @@ class DistWeightSender(WeightSender):
                 self._generation += 1
                 self._members = members
             stats.generation, stats.receivers = self._generation, list(members)
-            self._ctl.set(f"x{seq}/plan", json.dumps({"generation": self._generation, "members": members}))
+            self._ctl.set(f"x{seq}/plan", json.dumps({"generation": self._generation, "members": members,
+                                                      "device": self.device.type}))
             if self._group is None:
                 t_build = time.perf_counter()
                 self._group = _make_group(
@@ -390,7 +391,7 @@ class DistWeightSender(WeightSender):
         ready: dict[str, str] = {}  # receiver id -> incarnation
 
         def all_known_ready() -> bool:
-            self._read_registrations()
+            waited_for.difference_update(self._read_registrations())  # one that left is not waited for
             n = self._ctl.add(f"x{seq}/ready/n", 0)
             for i in range(len(ready) + 1, n + 1):
                 rid, _, incarnation = self._ctl.get(f"x{seq}/ready/{i}").decode().partition(" ")
@@ -412,8 +413,10 @@ class DistWeightSender(WeightSender):
         self._incarnations = {r: ready[r] for r in members}
         return members
 
-    def _read_registrations(self) -> None:
-        """Apply the join and leave logs receivers append to (the store cannot list keys)."""
+    def _read_registrations(self) -> set[str]:
+        """Apply the join and leave logs receivers append to (the store cannot list keys);
+        returns who left since the last read."""
+        left: set[str] = set()
         n = self._ctl.add("join/n", 0)
         for i in range(self._joins_seen + 1, n + 1):
             rid = self._ctl.get(f"join/{i}").decode()
@@ -423,9 +426,11 @@ class DistWeightSender(WeightSender):
         n = self._ctl.add("leave/n", 0)
         for i in range(self._leaves_seen + 1, n + 1):
             rid = self._ctl.get(f"leave/{i}").decode()
+            left.add(rid)
             if rid in self._known:
                 self._known.remove(rid)
         self._leaves_seen = n
+        return left
 
     def _broadcast(self, meta: WeightUpdateMeta, seq: int) -> int:
         """Send header and buckets; return how many receivers accepted the version."""
@@ -473,6 +478,17 @@ class DistWeightSender(WeightSender):
             self._ctl = self._store = None  # type: ignore[assignment]
 
 
+def leave_group(rendezvous: str, receiver_id: str, timeout_s: float = 10.0) -> None:
+    """Record that `receiver_id` left the group at `rendezvous`, on its behalf: whoever
+    saw it die (its server's controller) says so, so the sender stops waiting for it now,
+    not after `timeout_s` (a restarted receiver of the same name registers again)."""
+    host, port = parse_address(rendezvous)
+    store = dist.TCPStore(host, port, None, False, timeout=_timedelta(timeout_s), wait_for_workers=False)
+    ctl = dist.PrefixStore(_CTL, store)
+    n = ctl.add("leave/n", 1)
+    ctl.set(f"leave/{n}", receiver_id)
+
+
 class DistWeightReceiver(WeightReceiver):
     """One rollout engine's end of the weight group.
 
@@ -508,6 +524,8 @@ class DistWeightReceiver(WeightReceiver):
         self._generation: int | None = None
         self._layout: FlatLayout | None = None
         self._flat: torch.Tensor | None = None
+        self._wire = torch.device("cpu")
+        """The device the current group runs on (the sender's: see `_receive_into_buffer`)."""
         self._last: TransferStats | None = None
 
     @property
@@ -623,8 +641,15 @@ class DistWeightReceiver(WeightReceiver):
         assert self._ctl is not None
         generation = plan["generation"]
         try:
-            if self._group is None or self._generation != generation:
+            # The sender's device decides the group: NCCL between GPUs; gloo (CPU staging)
+            # whenever the sender is on CPU, e.g. a trainer sharing one GPU with its server.
+            wire = torch.device("cpu") if plan.get("device", "cpu") == "cpu" else self.device
+            if wire.type != plan.get("device", "cpu"):
+                raise WeightSyncError(f"the weight group runs on {plan['device']} and this receiver is on "
+                                      f"{self.device}: set weight_sync.device=cpu, or give the server a GPU")
+            if self._group is None or self._generation != generation or self._wire != wire:
                 self._drop_group()
+                self._wire = wire
                 rank = plan["members"].index(self.receiver_id) + 1
                 self._group = _make_group(
                     self._store,
@@ -632,13 +657,13 @@ class DistWeightReceiver(WeightReceiver):
                     rank,
                     len(plan["members"]) + 1,
                     self._addr.rpartition(":")[0],
-                    self.device,
+                    wire,
                     self.timeout_s,
                 )
                 self._generation = generation
             stats.rendezvous_s = time.perf_counter() - t0
-            if layout != self._layout or self._flat is None:
-                self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            if layout != self._layout or self._flat is None or self._flat.device != wire:
+                self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=wire)
                 self._layout = layout
             digests = self._receive_buckets(meta, layout, seq, generation)
             refusal = spec_error
@@ -648,7 +673,7 @@ class DistWeightReceiver(WeightReceiver):
                     f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
                     f"keeping the old weights"
                 )
-            _commit(self._group, int(refusal is None), self.device, self.timeout_s)
+            _commit(self._group, int(refusal is None), wire, self.timeout_s)
             return refusal
         except Exception:
             self._ctl.add(f"gen{generation}/broken", 1)
@@ -660,7 +685,7 @@ class DistWeightReceiver(WeightReceiver):
     ) -> list[int]:
         assert self._flat is not None
         timeout = _timedelta(self.timeout_s)
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self._wire)
         self._group.broadcast(header, 0, timeout).wait(timeout)
         want = _header(seq, meta.version, generation, layout.total_bytes, len(meta.tensors))
         if header.tolist() != want:
@@ -689,7 +714,8 @@ class DistWeightReceiver(WeightReceiver):
         flat = self._flat
         assert flat is not None
         for slot in layout.slots:
-            yield slot.name, layout.view(flat, slot)
+            t = layout.view(flat, slot)
+            yield slot.name, (t if flat.device == self.device else t.to(self.device))
 
     def _drop_group(self) -> None:
         if self._group is not None:

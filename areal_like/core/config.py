@@ -367,7 +367,11 @@ class DistWeightSyncConfig(_WeightSyncBase):
     bucket_mb: float = Field(64.0, gt=0.0)
     """Bucket size for the broadcast."""
     store_addr: str = "127.0.0.1:0"
-    """host:port of the weight group's TCPStore on the trainer host (port 0 = pick)."""
+    """host:port of the weight group's TCPStore on the trainer's rank-0 host (port 0 = pick)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the broadcast runs: `cuda` is NCCL between GPUs, `cpu` is gloo with CPU staging.
+    `auto` picks NCCL when the trainer trains on CUDA and every server has a GPU of its own
+    (both pools have GPUs), and gloo otherwise, e.g. a trainer and a server sharing a GPU."""
 
 
 class DiskWeightSyncConfig(_WeightSyncBase):
@@ -410,11 +414,17 @@ class PoolConfig(_Section):
     """CPU cores reserved for this pool (Ray placement group bundle)."""
     num_gpus: int = Field(0, ge=0)
     """GPUs reserved for this pool."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the pool's bundles (one per rollout server) over nodes: `PACK` fills
+    a node first, `SPREAD` spreads over nodes, `STRICT_*` refuse to do otherwise."""
 
 
 class ClusterConfig(_Section):
     ray_address: str | None = None
     """Existing Ray cluster to join; None starts an embedded local one."""
+    allow_unauthenticated_ray: bool = False
+    """Join a Ray cluster beyond loopback without Ray's token auth (`RAY_AUTH_MODE=token`).
+    Ray calls carry pickled code: only on a network nobody else can reach."""
     rollout_pool: PoolConfig = Field(default_factory=PoolConfig)
     """Resources of the rollout pool."""
     train_pool: PoolConfig = Field(default_factory=PoolConfig)

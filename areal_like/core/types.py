@@ -30,6 +30,7 @@ __all__ = [
     "GateSnapshot",
     "EpisodeOutcomes",
     "RolloutCounters",
+    "ServerCounters",
     "EvalResult",
     "VersionAnnouncement",
     "WeightUpdateMeta",
@@ -287,6 +288,20 @@ class EpisodeOutcomes(_Strict):
     policy's reward as sampled, beside the trained mean (which skips uniform groups)."""
 
 
+class ServerCounters(_Strict):
+    """One inference server's place and progress (its own Ray actor, docs/design.md §10.2)."""
+
+    node: str = ""
+    """Ray node id the server runs on."""
+    device: str = ""
+    pid: int = 0
+    alive: bool = True
+    version: int = 0
+    """The weight version it serves."""
+    generated_tokens: float = 0.0
+    requests_running: float = 0.0
+
+
 class RolloutCounters(_Strict):
     """Engine and routing numbers of one rollout process (cumulative counters and gauges)."""
 
@@ -307,6 +322,8 @@ class RolloutCounters(_Strict):
     engine: dict[str, float] = Field(default_factory=dict)
     """An engine's own numbers beside the engine-agnostic ones, summed over servers (vLLM:
     `vllm_kv_cache_usage`, `vllm_num_waiting`, `vllm_preemptions`, ...)."""
+    per_server: dict[str, ServerCounters] = Field(default_factory=dict)
+    """Each server by name: node, device, version served, tokens generated."""
 
 
 class EvalResult(_Strict):
@@ -351,6 +368,9 @@ class RolloutStats(_Strict):
         out.update({f"data_{k}": float(v) for k, v in self.data_position.items()})
         counters = self.counters.model_dump()
         out.update(counters.pop("engine"))
+        for name, srv in counters.pop("per_server").items():
+            out.update({f"{name}_version": float(srv["version"]),
+                        f"{name}_generated_tokens": float(srv["generated_tokens"])})
         out.update(counters)
         return out
 

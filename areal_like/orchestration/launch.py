@@ -4,9 +4,10 @@
   data, gate, controller);
 - `trainer_side.TrainerSide`: the train cluster's driver (run folder, workers, weight
   sender, channels, trainer controller);
-- `run_both` (here): one machine: an embedded Ray with one placement group per pool;
-  the rollout side runs in an actor of the rollout pool, the train workers in the
-  train pool, the trainer controller in the driver.
+- `run_both` (here): an embedded Ray (or the cluster at `cluster.ray_address`) with
+  one placement group per pool (`pools`): the rollout controller runs beside server 0
+  in the rollout pool, every inference server in its own bundle of it, the train
+  workers in the train pool, the trainer controller in the driver.
 
 `areal-like rollout` / `areal-like train` run one side each and meet at
 `transport.data_addr`, `transport.control_addr` (docs/design.md §9.6); the weights
@@ -21,30 +22,20 @@ import time
 from typing import Any
 
 from areal_like.core.config import ExperimentConfig
+from areal_like.orchestration.ray_setup import init_ray, ray_env
 
 __all__ = ["run_both", "ray_env", "init_ray"]
 
 log = logging.getLogger(__name__)
 
 
-def ray_env() -> dict[str, str]:
-    """Environment for an embedded single-machine Ray (docs/design.md §8)."""
-    return {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind everything to 127.0.0.1
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
 def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: str,
-                        user: dict[str, Any] | None = None) -> dict[str, Any]:
+                        user: dict[str, Any] | None = None, placement_group: Any = None) -> dict[str, Any]:
     logging.basicConfig(level=cfg_json["run"]["log_level"], format="%(asctime)s rollout %(name)s: %(message)s")
     from areal_like.orchestration.rollout_side import RolloutSide
 
     cfg = ExperimentConfig.model_validate(cfg_json)
-    return RolloutSide(cfg, data_addr, control_addr, user=user).run()
+    return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group).run()
 
 
 def _rollout_death_message(error: BaseException) -> str:
@@ -64,32 +55,11 @@ def _rollout_death_message(error: BaseException) -> str:
     return f"{headline}\n" + (f"{rest}\n" if rest else "") + f"the rollout side died ({type(root).__name__})"
 
 
-def init_ray(**kwargs: Any) -> None:
-    """`ray.init`, keeping the caller's SIGTERM and SIGINT handlers.
-
-    Ray installs its own SIGTERM handler in the driver, which aborts the process
-    without running our `finally` blocks (engines, sockets, placement groups and Ray
-    itself stay behind). The CLI turns SIGTERM into KeyboardInterrupt; put that back.
-    """
-    import signal
-    import threading
-
-    import ray
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    sigs = (signal.SIGTERM, signal.SIGINT)
-    prev = {sig: signal.getsignal(sig) for sig in sigs} if main_thread else {}
-    ray.init(**kwargs)
-    for sig, handler in prev.items():
-        if handler is not None and signal.getsignal(sig) is not handler:
-            signal.signal(sig, handler)
-
-
 def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, on_step: Any = None,
              on_start: Any = None, user: dict[str, Any] | None = None) -> dict[str, int]:
     """Both clusters on this machine: embedded Ray, one placement group per pool."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from areal_like.orchestration.preflight import preflight
@@ -107,24 +77,35 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
             init_ray(num_cpus=max(cpus, cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus),
                      include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": ray_env()})
         started_ray = True
+    from areal_like.orchestration.pools import place, rollout_bundles, train_bundles
+
     rp, tp = cfg.cluster.rollout_pool, cfg.cluster.train_pool
-    pg_roll = placement_group([{"CPU": rp.num_cpus, **({"GPU": rp.num_gpus} if rp.num_gpus else {})}])
-    pg_train = placement_group([{"CPU": tp.num_cpus, **({"GPU": tp.num_gpus} if tp.num_gpus else {})}])
-    ray.get([pg_roll.ready(), pg_train.ready()], timeout=120)
+    pg_roll = None
+    try:
+        pg_roll = place("rollout_pool", rollout_bundles(cfg), rp.strategy)
+        pg_train = place("train_pool", train_bundles(cfg), tp.strategy)
+    except BaseException:
+        if pg_roll is not None:
+            remove_placement_group(pg_roll)
+        if started_ray:
+            ray.shutdown()
+        raise
     from areal_like.orchestration.trainer_side import TrainerSide
 
     trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step)
     data_addr, control_addr = trainer.addresses
+    # The rollout controller takes no resources of its own: it lives beside server 0,
+    # and every server is its own actor in its own bundle of the pool (docs/design.md §10.2).
     rollout = ray.remote(_rollout_actor_main).options(
-        num_cpus=rp.num_cpus, num_gpus=rp.num_gpus,
+        num_cpus=0, num_gpus=0,
         # A rerun would start from the base weights and a fresh count while the trainer
         # goes on: a dead rollout side stops the run instead (checkpoint, then --resume).
         max_retries=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg_roll),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg_roll, placement_group_bundle_index=0),
     )
     if on_start is not None:
         on_start(trainer)
-    ref = rollout.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user)
+    ref = rollout.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll)
     last_check = [0.0]
 
     def check_rollout() -> None:

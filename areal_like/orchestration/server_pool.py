@@ -1,0 +1,227 @@
+"""The rollout controller's view of its inference servers: one Ray actor each.
+
+`ServerPool` starts one `ServerActor` per bundle of the rollout pool's placement group
+(docs/design.md §10.2), each with its own device, and keeps their handles; it hands the
+server manager `RayServer` adapters for routing, tells every server to join the weight
+group and to receive each version (the bytes go from the trainer's rank 0 straight into
+each server, never through this process), restarts a dead server in its own bundle, and
+polls metrics in the background so the controller's counters never wait on an actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_like.core.config import ExperimentConfig
+from areal_like.core.types import ServerCounters, WeightUpdateMeta
+
+__all__ = ["ServerPool"]
+
+log = logging.getLogger(__name__)
+
+
+class ServerPool:
+    def __init__(self, cfg: ExperimentConfig, model_path: Path, placement_group: Any) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.placement_group = placement_group
+        self.names = [f"server-{i}" for i in range(cfg.rollout.num_servers)]
+        self.actors: dict[str, Any] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+        self.versions: dict[str, int] = {}
+        self.metrics: dict[str, dict[str, float]] = {}
+        self._alive: set[str] = set()
+        self._rendezvous: str | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._loaded = asyncio.Event()
+
+    # ---- starting ---------------------------------------------------------------------
+    def _spawn(self, name: str) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from areal_like.orchestration.pools import gpus_per_server, rollout_bundles
+        from rollout_cluster.server_actor import ServerActor
+
+        cfg = self.cfg
+        i = self.names.index(name)
+        bundle = rollout_bundles(cfg)[i]
+        threads = str(cfg.rollout.server_threads)
+        actor = ray.remote(ServerActor).options(
+            name=None, num_cpus=bundle["CPU"], num_gpus=gpus_per_server(cfg), max_restarts=0,
+            max_concurrency=10_000,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                                      "TOKENIZERS_PARALLELISM": "false"}},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=i),
+        )
+        return actor.remote(
+            name, str(self.model_path), cfg.rollout.engine.model_dump(mode="json"),
+            interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i,
+            threads=cfg.rollout.server_threads, weight_sync=cfg.weight_sync.model_dump(mode="json"),
+            default_disk_path=str(Path(cfg.run.dir) / "weight_sync"), log_level=cfg.run.log_level,
+        )
+
+    async def _start_one(self, name: str) -> Any:
+        handle = self._spawn(name)
+        try:
+            info = await handle.start.remote()
+        except BaseException:
+            _kill(handle)
+            raise
+        self.actors[name], self.info[name] = handle, info
+        self.versions[name] = int(info.get("version", 0))
+        if self._rendezvous:  # a restart: a member again from the next version on
+            await handle.join_weights.remote(self._rendezvous)
+        self._alive.add(name)
+        log.info("rollout server %s: pid %s on node %s (%s), %s", name, info["pid"], info["node_ip"],
+                 info["node_id"][:8], info["device"])
+        return handle
+
+    async def start(self) -> dict[str, Any]:
+        """Start every server; the first that fails stops the start with its own line
+        (`ServerStartError`: the server and its device), the others are killed."""
+        from areal_like.core.config import ConfigError
+
+        t0 = time.time()
+        results = await asyncio.gather(*(self._start_one(n) for n in self.names), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            cause = getattr(errors[0], "cause", None) or errors[0]
+            raise ConfigError(_first_line(cause)) from None
+        log.info("%d rollout server actor(s) started in %.1fs", len(self.names), time.time() - t0)
+        self._poller = asyncio.get_running_loop().create_task(self._poll_metrics(), name="server-metrics")
+        return {n: self._adapter(n) for n in self.names}
+
+    def _adapter(self, name: str) -> Any:
+        from rollout_cluster.server_manager import RayServer
+
+        return RayServer(self.actors[name], name)
+
+    async def restart(self, name: str, error: BaseException, loaded_version: int) -> Any:
+        """A fresh actor for a dead server, in its bundle, serving the version the others
+        serve before it takes a call: copied from a live sibling, or (none left) received
+        with the next version the trainer sends."""
+        self._alive.discard(name)
+        old = self.actors.pop(name, None)
+        if old is not None:
+            _kill(old)
+        handle = await self._start_one(name)
+        if loaded_version > self.versions[name]:
+            donor = next((n for n in self.names if n in self._alive and n != name
+                          and self.versions.get(n, -1) >= loaded_version), None)
+            if donor is not None:
+                exported = self.actors[donor].export_weights.remote()
+                self.versions[name] = await handle.load_weights.remote(exported)
+                log.info("rollout server %s: v%d copied from %s", name, self.versions[name], donor)
+            else:
+                log.warning("rollout server %s: no live server to copy v%d from; it waits for the next version",
+                            name, loaded_version)
+                while self.versions[name] < loaded_version:
+                    self._loaded.clear()
+                    await self._loaded.wait()
+        return self._adapter(name)
+
+    def mark_dead(self, name: str) -> None:
+        """A server died: out of the weight group at once, so the trainer's next transfer
+        does not wait `weight_sync.timeout_s` for a receiver that is gone."""
+        self._alive.discard(name)
+        if self._rendezvous and self.cfg.weight_sync.type == "dist":
+            asyncio.get_running_loop().create_task(self._leave(name, self._rendezvous))
+
+    async def _leave(self, name: str, rendezvous: str) -> None:
+        from weight_sync.dist import leave_group
+
+        try:
+            await asyncio.to_thread(leave_group, rendezvous, name)
+            log.info("rollout server %s left the weight group", name)
+        except Exception as e:  # the trainer may be gone too; its timeout still applies
+            log.warning("could not record that %s left the weight group: %s", name, e)
+
+    # ---- weights ----------------------------------------------------------------------
+    async def join(self, rendezvous: str) -> None:
+        """Every live server registers in the trainer's weight group at `rendezvous`."""
+        self._rendezvous = rendezvous
+        await asyncio.gather(*(self.actors[n].join_weights.remote(rendezvous) for n in list(self._alive)),
+                             return_exceptions=True)
+
+    async def receive(self, meta: WeightUpdateMeta) -> tuple[dict[str, int], dict[str, BaseException]]:
+        """Every live server receives `meta.version` itself; returns who loaded it and who
+        failed (a failed server keeps its old version and goes on serving)."""
+        names = [n for n in self.names if n in self._alive]
+        payload = meta.model_dump(mode="json")
+        results = await asyncio.gather(
+            *(self.actors[n].receive_weights.remote(payload, self._rendezvous) for n in names),
+            return_exceptions=True)
+        ok: dict[str, int] = {}
+        failed: dict[str, BaseException] = {}
+        for n, r in zip(names, results, strict=True):
+            if isinstance(r, BaseException):
+                failed[n] = r
+            else:
+                ok[n] = self.versions[n] = int(r)
+        self._loaded.set()
+        return ok, failed
+
+    # ---- metrics ----------------------------------------------------------------------
+    async def _poll_metrics(self, every_s: float = 0.5) -> None:
+        while True:
+            names = [n for n in self.names if n in self._alive]
+            refs = [self.actors[n].metrics.remote() for n in names]
+            for n, ref in zip(names, refs, strict=True):
+                try:
+                    self.metrics[n] = await asyncio.wait_for(ref, timeout=5.0)
+                except Exception:  # a dead or busy server: the manager notices deaths on calls
+                    continue
+            await asyncio.sleep(every_s)
+
+    def per_server(self) -> dict[str, ServerCounters]:
+        out = {}
+        for n in self.names:
+            m, info = self.metrics.get(n, {}), self.info.get(n, {})
+            out[n] = ServerCounters(node=str(info.get("node_id", "")), device=str(info.get("device", "")),
+                                    pid=int(info.get("pid", 0)), alive=n in self._alive,
+                                    version=self.versions.get(n, 0),
+                                    generated_tokens=float(m.get("generated_tokens", 0.0)),
+                                    requests_running=float(m.get("running", 0.0)))
+        return out
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        handles = list(self.actors.values())
+        if handles:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(h.close.remote() for h in handles),
+                                                      return_exceptions=True), timeout=30)
+            except Exception as e:
+                log.warning("closing rollout servers: %s", e)
+        for h in handles:
+            _kill(h)
+        self.actors.clear()
+        self._alive.clear()
+
+
+def _kill(handle: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+def _first_line(error: BaseException) -> str:
+    """The server's own `ServerStartError` line out of Ray's wrapping."""
+    text = str(error).strip()
+    for line in text.splitlines():
+        if "could not start" in line:
+            return line.strip().split("ServerStartError: ", 1)[-1]
+    lines = [x for x in text.splitlines() if x.strip() and not x.startswith("ray::")]
+    return lines[-1].strip() if lines else type(error).__name__

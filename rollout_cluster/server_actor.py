@@ -1,0 +1,129 @@
+"""One inference server as its own Ray actor (docs/design.md §10.2).
+
+`ServerActor` is the body of the actor: a `RolloutServer` (embedded engine or vLLM)
+with its own device — the CPU threads of its placement-group bundle, or the GPUs Ray
+gave it — and its own end of the weight transport, so versions go from the trainer's
+rank 0 straight into this process (or, for vLLM, into its workers), never through the
+rollout controller. The controller holds only the handle: it routes generate calls
+(`RayServer` in `server_manager`), tells the server to join the weight group and to
+receive a version, and polls its metrics.
+
+Async actor: generate calls run concurrently on the actor's event loop; the engine
+itself is built in `start()`, on that loop, because the engine's asyncio face binds to
+the loop that runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from areal_like.core.types import GenerateResult, SamplingParams
+
+__all__ = ["ServerActor", "ServerStartError"]
+
+log = logging.getLogger(__name__)
+
+
+class ServerStartError(RuntimeError):
+    """A server could not start: the message names the server and its device first."""
+
+
+class ServerActor:
+    """Body of one server actor; construct with `ray.remote(ServerActor).options(...)`."""
+
+    def __init__(self, name: str, model_path: str, engine_config: dict[str, Any], *, interrupt_mode: str,
+                 seed: int, threads: int, weight_sync: dict[str, Any], default_disk_path: str,
+                 log_level: str = "INFO") -> None:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s {name} %(name)s: %(message)s")
+        self.name = name
+        self._args = (model_path, engine_config, interrupt_mode, seed, threads, weight_sync, default_disk_path)
+        self.server: Any = None
+        self.started_at = time.time()
+
+    async def start(self) -> dict[str, Any]:
+        """Build the engine and the weight receiver; returns `info()`. A failure raises
+        `ServerStartError` naming this server and its device."""
+        import torch
+        from pydantic import TypeAdapter
+
+        from areal_like.core.config import EngineConfig, WeightSyncConfig
+        from rollout_cluster.server import RolloutServer
+        from weight_sync import make_receiver
+
+        model_path, engine_json, interrupt_mode, seed, threads, ws_json, disk_path = self._args
+        engine_cfg = TypeAdapter(EngineConfig).validate_python(engine_json)
+        ws_cfg = TypeAdapter(WeightSyncConfig).validate_python(ws_json)
+        torch.set_num_threads(threads)
+        try:
+            self.server = RolloutServer(model_path, engine_config=engine_cfg, interrupt_mode=interrupt_mode,
+                                        seed=seed, set_threads=False)
+        except Exception as e:
+            where = self.device()
+            device = getattr(engine_cfg, "device", "cpu")
+            if device != "cpu":
+                where = f"{device}, {where}"
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ServerStartError(
+                f"rollout server {self.name} on {where} could not start: {type(e).__name__}: {first}"
+            ) from e
+        device = getattr(engine_cfg, "device", "cpu")
+        receiver = make_receiver(ws_cfg, self.name, device="cpu" if device == "cpu" else device,
+                                 default_disk_path=disk_path)
+        self.server.attach_receiver(receiver, self.name, ws_cfg.timeout_s)
+        return self.info()
+
+    def device(self) -> str:
+        """`cuda:<ids>` of the GPUs Ray gave this actor, else `cpu (<n> threads)`."""
+        import ray
+
+        gpus = ray.get_gpu_ids()
+        if gpus:
+            return "cuda (GPU " + ",".join(str(g) for g in gpus) + ")"
+        return f"cpu ({self._args[4]} threads)"
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"name": self.name, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "device": self.device(),
+                "version": self.server.version if self.server is not None else 0}
+
+    async def generate(self, *, request_id: str, prompt_ids: list[int],
+                       sampling_params: SamplingParams) -> GenerateResult:
+        return await self.server.generate(request_id=request_id, prompt_ids=prompt_ids,
+                                          sampling_params=sampling_params)
+
+    async def join_weights(self, rendezvous: str) -> None:
+        await self.server.join_weights(rendezvous)
+
+    async def receive_weights(self, meta: dict[str, Any], rendezvous: str | None = None) -> int:
+        from areal_like.core.types import WeightUpdateMeta
+
+        return await self.server.receive_weights(WeightUpdateMeta.model_validate(meta), rendezvous)
+
+    async def export_weights(self) -> tuple[int, list[tuple[str, Any]]]:
+        return self.server.version, await self.server.export_weights()
+
+    async def load_weights(self, exported: tuple[int, list[tuple[str, Any]]]) -> int:
+        """Load what a sibling's `export_weights` returned (a restart catching up)."""
+        version, named = exported
+        await self.server.update_weights(named, version)
+        return self.server.version
+
+    def metrics(self) -> dict[str, float]:
+        return self.server.metrics() if self.server is not None else {}
+
+    def health(self) -> dict[str, Any]:
+        return self.server.health()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            receiver = server._receiver
+            await server.close()
+            if receiver is not None:
+                receiver.close()
