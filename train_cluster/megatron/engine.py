@@ -185,7 +185,7 @@ class MegatronTrainEngine(TrainEngine):
         self.device = check_device(backend.device)
         on_cpu = backend.device == "cpu"
         if on_cpu:
-            logger.warning("megatron backend on CPU: for tests of forward/backward only (CUDA shims active)")
+            logger.info("megatron backend on CPU: TP over gloo, torch AdamW (CUDA shims active)")
         tp, dp = backend.tensor_parallel_size, backend.data_parallel_size
         if not dist.is_initialized():
             if tp * dp > 1:
