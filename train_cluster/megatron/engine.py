@@ -230,7 +230,9 @@ class MegatronTrainEngine(TrainEngine):
             cpu_rotary(module)
         hf_sd = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[dtype]).state_dict()
         self._load_hf(module, hf_sd)
-        self._module = module.to(self.device)
+        # Every weight in the model dtype, as Megatron's Float16Module would (its torch-norm
+        # fallback builds the RMSNorm weights in fp32); the fp32 copies live in the optimizer.
+        self._module = module.to(self.device, _DTYPES[dtype])
         self._model: Any = module
         self._master: list[torch.Tensor] | None = None  # CPU bf16: fp32 copies the optimizer steps
         if on_cpu:
