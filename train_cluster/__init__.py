@@ -41,13 +41,15 @@ def create_engine(model_path: str | Path, train_cfg: Any, *, dtype: str = "float
 
     torch, 1 worker: a `TorchTrainEngine` in this process. torch, N > 1 workers: a
     `TrainWorkerGroup` of Ray actors (call `ray.init` first). megatron: a
-    `MegatronTrainEngine` in this process (launching its TP×DP ranks is the caller's job).
+    `MegatronTrainEngine` in this process for TP = DP = 1, else a `TrainWorkerGroup`
+    with one actor per rank.
     """
-    if train_cfg.backend.type == "megatron":
+    b = train_cfg.backend
+    if b.type == "megatron" and b.tensor_parallel_size * b.data_parallel_size == 1:
         from train_cluster.megatron.engine import MegatronTrainEngine
 
         return MegatronTrainEngine(model_path, train_cfg, dtype=dtype, seed=seed)
-    if train_cfg.backend.world_size > 1:
+    if b.type == "megatron" or b.world_size > 1:
         from train_cluster.worker_group import TrainWorkerGroup
 
         return TrainWorkerGroup(model_path, train_cfg, dtype=dtype, seed=seed, placement_group=placement_group)

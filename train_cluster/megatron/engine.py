@@ -2,25 +2,34 @@
 
 Built for large models on GPUs: the HF Qwen2 folder is converted into a
 Megatron-core `GPTModel` (local layer spec), split over `tensor_parallel_size`
-ranks, replicated over `data_parallel_size` ranks (torch DDP on the data-parallel
-group), and trained by `TrainEngine`'s shared step with torch AdamW — Megatron's
-own optimizer and pipeline schedules hard-code CUDA, and our loop already does
-accumulation, clipping and skipping. Weights leave as HF names (`named_weights`
-gathers the TP shards), so weight sync and export do not know the backend.
+ranks and replicated over `data_parallel_size` ranks, and trained by `TrainEngine`'s
+shared step (accumulation, clipping and the non-finite skip are ours on both paths):
+
+- `device: cuda`: Megatron's own `DistributedDataParallel` (fp32 gradient buffers)
+  and distributed optimizer (`get_megatron_optimizer`, Adam with fp32 main params
+  sharded over data-parallel ranks); the model weights stay in the model dtype.
+- `device: cpu` (CI, small runs): torch DDP on the data-parallel group and torch
+  AdamW, which steps fp32 master copies when the model is bf16 — the same contract:
+  bf16 forward/backward, fp32 updates, tiny updates are not rounded away.
+
+Weights leave as HF names in the model dtype (`named_weights` gathers the TP shards),
+so weight sync and export do not know the backend.
 
 Sequences are right-padded within a micro-batch (causal attention makes the padding
 invisible to real tokens); Megatron's packed-sequence (THD) path needs Transformer
 Engine and is not used. `kl_coef > 0` is refused at start-up (no reference model
 here yet).
 
-On CPU (`device: cpu`, for tests only) `shims.py` patches the three places where
-megatron-core calls CUDA unconditionally.
+On CPU `shims.py` patches the three places where megatron-core's model code calls
+CUDA unconditionally.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -67,12 +76,65 @@ def build_gpt_model(hf_cfg: Any, dtype: torch.dtype, tp: int, on_cpu: bool) -> A
         tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu, perform_initialization=False,
     )
-    return GPTModel(
+    model = GPTModel(
         cfg, get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=padded_vocab_size(hf_cfg.vocab_size, tp), max_sequence_length=hf_cfg.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(theta),
         share_embeddings_and_output_weights=hf_cfg.tie_word_embeddings, parallel_output=True,
     )
+    _mark_tensor_parallel(model)
+    return model
+
+
+def _mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Set Megatron's `tensor_model_parallel` attributes on the TP-split weights.
+
+    Megatron sets them only inside its weight initialisers, which `perform_initialization=False`
+    skips; its optimizer's grad norm needs them (replicated norms are counted once, split
+    weights on every TP rank).
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    for mod in model.modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            split = {"weight": 0, "bias": 0}
+        elif isinstance(mod, RowParallelLinear):
+            split = {"weight": 1}  # a row-parallel bias is replicated
+        else:
+            continue
+        for name, dim in split.items():
+            p = getattr(mod, name, None)
+            if isinstance(p, torch.Tensor):
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+
+class _LRSchedule:
+    """Warmup and decay (`lr_factor`) set on the optimizer's param groups once per train step.
+
+    Works for torch and Megatron optimizers alike (a Megatron optimizer is no
+    `torch.optim.Optimizer`, so torch's LR schedulers cannot drive it).
+    """
+
+    def __init__(self, optimizer: Any, cfg: TrainConfig) -> None:
+        self.optimizer, self.cfg, self.steps = optimizer, cfg, 0
+        self._apply()
+
+    def _apply(self) -> None:
+        c = self.cfg
+        lr = c.lr * lr_factor(self.steps, schedule=c.lr_schedule, warmup=c.warmup_steps, total=c.total_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def step(self) -> None:
+        self.steps += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self._apply()
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -123,7 +185,7 @@ class MegatronTrainEngine(TrainEngine):
         self.device = check_device(backend.device)
         on_cpu = backend.device == "cpu"
         if on_cpu:
-            logger.warning("megatron backend on CPU: for tests of forward/backward only (CUDA shims active)")
+            logger.info("megatron backend on CPU: TP over gloo, torch AdamW (CUDA shims active)")
         tp, dp = backend.tensor_parallel_size, backend.data_parallel_size
         if not dist.is_initialized():
             if tp * dp > 1:
@@ -152,7 +214,9 @@ class MegatronTrainEngine(TrainEngine):
 
             model_parallel_cuda_manual_seed(seed)
         self.tp, self.tp_rank, self.tp_group = tp, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
         self.rank = dist.get_rank()
+        self.on_cpu = on_cpu
         self.world_size = dp  # data-parallel ranks: what losses are averaged over
         self.group = ps.get_data_parallel_group()
 
@@ -166,23 +230,28 @@ class MegatronTrainEngine(TrainEngine):
             cpu_rotary(module)
         hf_sd = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[dtype]).state_dict()
         self._load_hf(module, hf_sd)
-        self._module = module.to(self.device)
+        # Every weight in the model dtype, as Megatron's Float16Module would (its torch-norm
+        # fallback builds the RMSNorm weights in fp32); the fp32 copies live in the optimizer.
+        self._module = module.to(self.device, _DTYPES[dtype])
         self._model: Any = module
-        if dp > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
+        self._master: list[torch.Tensor] | None = None  # CPU bf16: fp32 copies the optimizer steps
+        if on_cpu:
+            if dp > 1:
+                from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self._model = DDP(module, process_group=self.group, broadcast_buffers=False,
-                              device_ids=None if on_cpu else [self.device.index])
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
-                                           weight_decay=train_cfg.weight_decay)
-        sched, warm, total = train_cfg.lr_schedule, train_cfg.warmup_steps, train_cfg.total_steps
-
-        def factor(step: int) -> float:
-            return lr_factor(step, schedule=sched, warmup=warm, total=total)
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
-        logger.info("MegatronTrainEngine rank %d: tp %d/%d, dp size %d on %s", self.rank, self.tp_rank, tp, dp,
-                    self.device)
+                self._model = DDP(module, process_group=self.group, broadcast_buffers=False)
+            params = list(module.parameters())
+            if _DTYPES[dtype] != torch.float32:
+                self._master = [p.detach().float().clone() for p in params]
+                params = self._master
+            self.optimizer: Any = torch.optim.AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas,
+                                                    weight_decay=train_cfg.weight_decay)
+        else:
+            self._model, self.optimizer = _megatron_ddp_and_optimizer(module, train_cfg, _DTYPES[dtype])
+        self.scheduler = _LRSchedule(self.optimizer, train_cfg)
+        logger.info("MegatronTrainEngine rank %d: tp %d/%d, dp %d/%d on %s (%s, %s optimizer)", self.rank,
+                    self.tp_rank, tp, self.dp_rank, dp, self.device, dtype,
+                    "torch AdamW" if on_cpu else "Megatron distributed")
 
     def _load_hf(self, module: torch.nn.Module, hf_sd: dict[str, torch.Tensor]) -> None:
         shard = hf_to_megatron(hf_sd, self.hf_config, self.tp, self.tp_rank)
@@ -228,6 +297,10 @@ class MegatronTrainEngine(TrainEngine):
             (out / "trainer_state.json").write_text(json.dumps(state, indent=1))
         dist.barrier()
         torch.save(self.optimizer.state_dict(), out / f"optimizer_rank{self.rank}.pt")
+        if self._master is not None:
+            torch.save(self._master, out / f"master_rank{self.rank}.pt")
+        if not self.on_cpu:  # fp32 main params and Adam moments, gathered on DP rank 0 of each TP rank
+            self.optimizer.save_parameter_state(str(out / f"optimizer_params_tp{self.tp_rank}.pt"))
         torch.save(_rng_state(), out / f"rng_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
@@ -240,7 +313,16 @@ class MegatronTrainEngine(TrainEngine):
         if not (src / _COMPLETE).is_file():
             raise FileNotFoundError(f"{src} is not a complete checkpoint (no {_COMPLETE} marker)")
         self._load_hf(self._module, load_file(str(src / "model.safetensors")))
-        self.optimizer.load_state_dict(torch.load(src / f"optimizer_rank{self.rank}.pt", weights_only=True))
+        if self.on_cpu:
+            self.optimizer.load_state_dict(torch.load(src / f"optimizer_rank{self.rank}.pt", weights_only=True))
+            if self._master is not None:
+                saved = torch.load(src / f"master_rank{self.rank}.pt", weights_only=True)
+                with torch.no_grad():
+                    for m, w in zip(self._master, saved, strict=True):
+                        m.copy_(w)
+        else:  # our own files; Megatron's optimizer state holds non-tensor objects
+            self.optimizer.load_state_dict(torch.load(src / f"optimizer_rank{self.rank}.pt", weights_only=False))
+            self.optimizer.load_parameter_state(str(src / f"optimizer_params_tp{self.tp_rank}.pt"))
         _set_rng_state(torch.load(src / f"rng_rank{self.rank}.pt", weights_only=True))
         state = json.loads((src / "trainer_state.json").read_text())
         self.scheduler.load_state_dict(state["scheduler"])
@@ -268,31 +350,88 @@ class MegatronTrainEngine(TrainEngine):
 
     def _clip_grad(self, max_norm: float) -> torch.Tensor:
         """Global norm over the TP grid: sharded params counted on every TP rank, replicated ones once."""
+        if not self.on_cpu:
+            return self._megatron_clip_grad(max_norm)
+        params = list(self._module.parameters())
+        if self._master is not None:  # the fp32 masters take the gradients (Megatron's main grads)
+            for p, m in zip(params, self._master, strict=True):
+                m.grad = None if p.grad is None else p.grad.detach().float()
+                p.grad = None
+            params = self._master
+        grads = [p.grad for p in params if p.grad is not None]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        # Megatron's own `tensor_model_parallel` flag is not set on weights built with
-        # perform_initialization=False, so the layout decides: only the norms are replicated.
-        named = [(n, p) for n, p in self._module.named_parameters() if p.grad is not None]
-        params = [p for _, p in named]
-        for n, p in named:
-            if "layernorm" not in n or self.tp_rank == 0:
-                total += p.grad.detach().double().pow(2).sum()
+        for p, g in zip(self._module.parameters(), params, strict=True):
+            if g.grad is not None and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0):
+                total += g.grad.detach().double().pow(2).sum()
         if self.tp > 1:
             dist.all_reduce(total, group=self.tp_group)
         norm = total.sqrt().float()
         coef = max_norm / (norm + 1e-6)
         if coef < 1:
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
         return norm.cpu()
 
+    def _megatron_clip_grad(self, max_norm: float) -> torch.Tensor:
+        """Reduce the fp32 grad buffers over DP, copy them to the main params, norm, clip."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        self._model.finish_grad_sync()
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        if math.isfinite(norm):
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm)
+        return torch.tensor(norm, dtype=torch.float32)
+
     def _optimizer_step(self) -> None:
+        if not self.on_cpu:
+            self.optimizer.step_with_ready_grads()  # main params -> model weights (+ DP all-gather)
+            return
         self.optimizer.step()
+        if self._master is not None:
+            with torch.no_grad():
+                for p, m in zip(self._module.parameters(), self._master, strict=True):
+                    p.copy_(m)  # rounded to the model dtype; the master keeps the rest
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.on_cpu:
+            self._module.zero_grad(set_to_none=True)
+        else:
+            self._model.zero_grad_buffer()
 
     def _scheduler_step(self) -> None:
         self.scheduler.step()
 
     def _current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        if not last and self.on_cpu and hasattr(self._model, "no_sync"):
+            return self._model.no_sync()  # torch DDP: all-reduce on the last micro-batch only
+        return contextlib.nullcontext()
+
+
+def _megatron_ddp_and_optimizer(module: torch.nn.Module, train_cfg: TrainConfig, dtype: torch.dtype) -> tuple[Any, Any]:
+    """GPU: Megatron's DDP (fp32 grad buffers, reduced over the DP group in `finish_grad_sync`)
+    and its distributed optimizer: Adam on fp32 main params sharded over DP ranks, copied
+    back to the model-dtype weights (and all-gathered) after each step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            overlap_param_gather=False, use_distributed_optimizer=True)
+    model = DistributedDataParallel(module.config, ddp_cfg, module)
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=train_cfg.lr, min_lr=0.0, weight_decay=train_cfg.weight_decay,
+        adam_beta1=train_cfg.betas[0], adam_beta2=train_cfg.betas[1], adam_eps=1e-8,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=True,
+        clip_grad=train_cfg.grad_clip,
+    )
+    # config_overrides={}: weight decay on every parameter, as torch AdamW on the CPU path does
+    optimizer = get_megatron_optimizer(opt_cfg, [model], config_overrides={})
+    model.zero_grad_buffer()
+    return model, optimizer
