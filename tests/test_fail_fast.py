@@ -98,7 +98,7 @@ def test_errors_cross_process_boundaries_and_ray_wrapping_intact() -> None:
 
     class FakeRayTaskError(Exception):  # Ray's wrapper: its own header first, `cause` the original
         def __init__(self, cause: BaseException) -> None:
-            super().__init__(f"ray::_rollout_actor_main() (pid=1)\n{cause}")
+            super().__init__(f"ray::RolloutControllerActor.run() (pid=1)\n{cause}")
             self.cause = cause
 
     msg = _rollout_death_message(FakeRayTaskError(r))

@@ -5,8 +5,8 @@
 - `trainer_side.TrainerSide`: the train cluster's driver (run folder, workers, weight
   sender, channels, trainer controller);
 - `run_both` (here): an embedded Ray (or the cluster at `cluster.ray_address`) with
-  one placement group per pool (`pools`): the rollout controller runs beside server 0
-  in the rollout pool, every inference server in its own bundle of it, the train
+  one placement group per pool (`pools`): the rollout controller (its own actor,
+  `RolloutControllerActor`) runs beside server 0 in the rollout pool, every inference server in its own bundle of it, the train
   workers in the train pool, the trainer controller in the driver.
 
 `areal-like rollout` / `areal-like train` run one side each and meet at
@@ -29,13 +29,17 @@ __all__ = ["run_both", "ray_env", "init_ray"]
 log = logging.getLogger(__name__)
 
 
-def _rollout_actor_main(cfg_json: dict[str, Any], data_addr: str, control_addr: str,
-                        user: dict[str, Any] | None = None, placement_group: Any = None) -> dict[str, Any]:
-    logging.basicConfig(level=cfg_json["run"]["log_level"], format="%(asctime)s rollout %(name)s: %(message)s")
-    from areal_like.orchestration.rollout_side import RolloutSide
+class RolloutControllerActor:
+    """The rollout controller's Ray actor (docs/design.md §10.2): `run` drives the whole
+    rollout side; the server actors it starts are owned by it and go with it."""
 
-    cfg = ExperimentConfig.model_validate(cfg_json)
-    return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group).run()
+    def run(self, cfg_json: dict[str, Any], data_addr: str, control_addr: str,
+            user: dict[str, Any] | None = None, placement_group: Any = None) -> dict[str, Any]:
+        logging.basicConfig(level=cfg_json["run"]["log_level"], format="%(asctime)s rollout %(name)s: %(message)s")
+        from areal_like.orchestration.rollout_side import RolloutSide
+
+        cfg = ExperimentConfig.model_validate(cfg_json)
+        return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group).run()
 
 
 def _rollout_death_message(error: BaseException) -> str:
@@ -92,20 +96,27 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
         raise
     from areal_like.orchestration.trainer_side import TrainerSide
 
-    trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step)
+    try:
+        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step)
+    except BaseException:
+        for pg in (pg_roll, pg_train):
+            remove_placement_group(pg)
+        if started_ray:
+            ray.shutdown()
+        raise
     data_addr, control_addr = trainer.addresses
     # The rollout controller takes no resources of its own: it lives beside server 0,
     # and every server is its own actor in its own bundle of the pool (docs/design.md §10.2).
-    rollout = ray.remote(_rollout_actor_main).options(
-        num_cpus=0, num_gpus=0,
-        # A rerun would start from the base weights and a fresh count while the trainer
+    controller = ray.remote(RolloutControllerActor).options(
+        name=None, num_cpus=0, num_gpus=0,
+        # A restart would start from the base weights and a fresh count while the trainer
         # goes on: a dead rollout side stops the run instead (checkpoint, then --resume).
-        max_retries=0,
+        max_restarts=0, max_task_retries=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg_roll, placement_group_bundle_index=0),
-    )
+    ).remote()
     if on_start is not None:
         on_start(trainer)
-    ref = rollout.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll)
+    ref = controller.run.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll)
     last_check = [0.0]
 
     def check_rollout() -> None:
@@ -130,10 +141,8 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
             log.info("rollout side finished: %s", ray.get(ref))
         return summary
     finally:
-        if not finished and not ray.wait([ref], timeout=0)[0]:
-            # Only a task still running is cancelled: force-cancelling one that already
-            # returned tripped a fatal check inside Ray ("complete task that was not pending").
-            ray.cancel(ref, force=True)
+        if not finished:
+            ray.kill(controller, no_restart=True)  # its server actors go with it
         trainer.close()
         for pg in (pg_roll, pg_train):
             remove_placement_group(pg)
