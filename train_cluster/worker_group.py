@@ -196,12 +196,20 @@ class TrainWorkerGroup:
                                          "TOKENIZERS_PARALLELISM": "false",
                                          "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}},
         }
-        if placement_group is not None:
+        actor = ray.remote(_TrainWorker)
+        per_rank = placement_group is not None and len(placement_group.bundle_specs) == self.world_size
+
+        def place(rank: int) -> dict[str, Any]:
+            if placement_group is None:
+                return options
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=placement_group)
-        actor = ray.remote(_TrainWorker).options(**options)
-        self.workers = [actor.remote(r, self.world_size, log_level) for r in range(self.world_size)]
+            # one bundle per rank (the train pool may span nodes), or all in the pool's one bundle
+            return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=rank if per_rank else -1)}
+
+        self.workers = [actor.options(**place(r)).remote(r, self.world_size, log_level)
+                        for r in range(self.world_size)]
         store = ray.get(self.workers[0].store_addr.remote())
         cfg = train_cfg.model_dump(mode="json")
         setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed)

@@ -5,7 +5,7 @@ share of the pool's cores (`num_cpus / num_servers`, fractions allowed: Ray acco
 CPUs logically, and `rollout.server_threads` sets the torch threads a server runs);
 with GPUs, whole GPUs — one per embedded server on `cuda`, `tensor_parallel_size` per
 vLLM server. The rollout controller takes no resources of its own and lives beside
-server 0. The train pool is one bundle (its workers share it).
+server 0. The train pool has one bundle per train rank.
 
 `check_pools` refuses, before anything starts, a `rollout.num_servers` the pool cannot
 place, naming the pool and what is missing; `place` creates a pool's placement group
@@ -59,8 +59,12 @@ def rollout_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
 
 
 def train_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
-    pool = cfg.cluster.train_pool
-    return [{"CPU": float(pool.num_cpus), **({"GPU": float(pool.num_gpus)} if pool.num_gpus else {})}]
+    """One bundle per train rank (a share of the pool's CPUs; one GPU each on CUDA), so
+    the ranks may span nodes; `PACK` keeps them on one node when it can hold them."""
+    pool, b = cfg.cluster.train_pool, cfg.train.backend
+    ranks = b.tensor_parallel_size * b.data_parallel_size if b.type == "megatron" else b.world_size
+    gpus = pool.num_gpus / ranks if pool.num_gpus else 0.0
+    return [{"CPU": pool.num_cpus / ranks, **({"GPU": gpus} if gpus else {})} for _ in range(ranks)]
 
 
 def check_pools(cfg: ExperimentConfig) -> None:
