@@ -106,6 +106,58 @@ def test_worker_extension_reloads_then_reties_embeddings_and_redispatches_head()
         ext.areal_load_weights([])
 
 
+def test_worker_extension_receives_from_the_weight_group_then_loads_on_request():
+    """The worker side of `VLLMEngine.receive_weights` without vLLM: a worker of rank 1
+    joins the trainer's weight group as `{name}-w1`, receives a version (arguments as
+    msgpack leaves them: plain dicts), loads it only when asked, and a bad checksum is
+    a result (ok False), never a load."""
+    import msgpack
+    import torch
+
+    from areal_like.core.config import DistWeightSyncConfig
+    from weight_sync.dist import DistWeightSender
+
+    calls = []
+    head = SimpleNamespace(weight="stale", quant_method=SimpleNamespace(process_weights_after_loading=calls.append))
+    model = SimpleNamespace(
+        config=SimpleNamespace(tie_word_embeddings=True), lm_head=head, model=SimpleNamespace(embed_tokens=SimpleNamespace(weight="E"))
+    )
+    got = []
+    ext = VLLMWeightExtension()
+    ext.rank = 1
+    ext.model_runner = SimpleNamespace(
+        model=model, reload_weights=lambda weights_iterator: got.extend((n, t.clone()) for n, t in weights_iterator)
+    )
+    sender = DistWeightSender(DistWeightSyncConfig(timeout_s=5.0, bucket_mb=0.01))
+    try:
+        assert ext.areal_join_weights(sender.store_addr, "srv", 5.0) == {"ok": True, "member": "srv-w1"}
+        assert sender.wait_for_receivers(1, timeout=5.0) == ["srv-w1"]
+        w = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
+        meta = sender.send(3, w.items())
+        wire = msgpack.unpackb(msgpack.packb(meta.model_dump(mode="json")), raw=False)
+        r = ext.areal_receive_weights(wire, sender.store_addr, "srv", 5.0)
+        assert r == {"ok": True, "member": "srv-w1", "version": 3} and got == []  # received, not loaded
+        assert sender.wait(10).accepted == 1
+        assert ext.areal_load_received(3) == 2
+        assert [n for n, _ in got] == ["a", "b"] and all(torch.equal(t, w[n]) for n, t in got)
+        assert calls == [head] and head.weight == "E"  # the tied head re-tied after the load
+        with pytest.raises(RuntimeError, match="not received"):
+            ext.areal_load_received(3)  # a received version loads once
+
+        got.clear()
+        meta = sender.send(4, {k: v + 1 for k, v in w.items()}.items())
+        bad = {**meta.model_dump(mode="json"), "checksum": "0" * 64}
+        r = ext.areal_receive_weights(bad, "", "srv", 5.0)
+        assert r["ok"] is False and "checksum" in r["error"] and r["not_a_member"] is False
+        assert sender.wait(10).accepted == 0
+        with pytest.raises(RuntimeError, match="not received"):
+            ext.areal_load_received(4)
+        assert got == []
+    finally:
+        sender.close()
+        ext._areal_dist.close()
+
+
 def test_packed_weights_survive_an_untyped_msgpack_round_trip():
     """collective_rpc carries its arguments through msgpack without type information
     (tuples come back as lists, bytes as bytes/memoryview): the packed form must too."""
