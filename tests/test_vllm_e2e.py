@@ -140,3 +140,108 @@ def test_killed_engine_core_restarts_once_then_the_run_stops_with_the_root_cause
         f"error: vLLM engine core died: the EngineCore process (pid {second[0]}) was killed by SIGKILL"
     ), out[-4000:]
     assert time.time() - t_kill < 120
+
+
+# ---- weights straight into vLLM's workers (issue #14 item 3) ------------------------------
+#
+# A `DistWeightSender` in this process plays the trainer (gloo); the vLLM worker (in
+# vLLM's engine core process on CPU) is its own member of the weight group. One engine
+# for these tests: vLLM starts slowly on 2 cores.
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    from areal_like.core.config import VLLMEngineConfig
+    from tests._vllm_harness import QUICKSTART_MODEL, EngineThread
+
+    h = EngineThread(QUICKSTART_MODEL, VLLMEngineConfig(kv_cache_gb=0.25, max_model_len=512))
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def weight_sender():
+    from areal_like.core.config import DistWeightSyncConfig
+    from weight_sync.dist import DistWeightSender
+
+    s = DistWeightSender(DistWeightSyncConfig(timeout_s=30.0, bucket_mb=1.0))
+    yield s
+    s.close()
+
+
+def _join(h, sender, name: str) -> None:
+    assert h.run(h.engine.join_weights(sender.store_addr, name, 30.0)) == [f"{name}-w0"]
+    assert sender.wait_for_receivers(1, timeout=30.0) == [f"{name}-w0"]
+
+
+def test_weight_group_delivers_into_vllm_workers_mid_generation(vllm_engine, weight_sender) -> None:
+    """The trainer's broadcast lands in vLLM's worker while 4 calls generate: the engine
+    reports the version, each call returns once with tokens of both versions (interrupted
+    once, resumed), and every token's logprob is a fresh HF forward under the version it
+    is recorded with (the interrupt audit)."""
+    from tests._vllm_harness import TOL, receive_mid_generation
+
+    h, eng = vllm_engine, vllm_engine.engine
+    _join(h, weight_sender, "vllm0")
+    v = eng.version
+    new = h.perturbed(v, seed=v + 1)
+    before = eng.metrics()
+    outcome, results, prompts = receive_mid_generation(h, weight_sender, "vllm0", v + 1, new)
+    assert outcome == v + 1, outcome
+    h.weights[v + 1] = new
+    assert eng.version == v + 1
+    stats = weight_sender.wait(60)
+    assert stats.ok and stats.accepted == 1 and stats.receivers == ["vllm0-w0"], stats
+    after = eng.metrics()
+    assert after["weight_updates"] == before["weight_updates"] + 1 and after["interrupts"] == before["interrupts"] + 1
+    mixed = 0
+    for p, r in zip(prompts, results, strict=True):
+        assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == 160 and r.stop_reason == "length"
+        assert r.num_interrupts == 1 and r.versions == sorted(r.versions) and set(r.versions) <= {v, v + 1}
+        mixed += v in r.versions and v + 1 in r.versions
+        assert h.audit(p, r) < TOL, r.request_id
+    assert mixed >= 1, "no call returned tokens of two versions: the receive did not interrupt"
+    late = h.run(eng.generate(request_id="after-rx", prompt_ids=prompts[0],
+                              sampling_params={"max_tokens": 20, "seed": 1, "ignore_eos": True}))
+    assert late.versions == [v + 1] * 20 and h.audit(prompts[0], late) < TOL
+
+
+def test_failed_weight_receive_leaves_vllm_serving_its_version(vllm_engine, weight_sender) -> None:
+    """A version whose checksum does not match what arrived (mid-generation), and one the
+    sender never broadcasts (timeout): `WeightSyncError`, nothing loaded, the interrupted
+    calls resume and finish on the old version; then the next good version still lands."""
+    from tests._vllm_harness import TOL, receive_mid_generation
+    from weight_sync.meta import WeightSyncError
+
+    h, eng = vllm_engine, vllm_engine.engine
+    _join(h, weight_sender, "vllm0")
+    v = eng.version
+    bad = h.perturbed(v, seed=1000 + v)
+    sent = []
+
+    def spoil(meta):
+        sent.append(meta)
+        return meta.model_copy(update={"checksum": "0" * 64})
+
+    outcome, results, prompts = receive_mid_generation(h, weight_sender, "vllm0", v + 1, bad, spoil=spoil)
+    assert isinstance(outcome, WeightSyncError) and "checksum" in str(outcome), outcome
+    assert eng.version == v
+    assert weight_sender.wait(60).accepted == 0
+    for p, r in zip(prompts, results, strict=True):
+        assert len(r.token_ids) == 160 and r.stop_reason == "length" and r.num_interrupts == 1
+        assert set(r.versions) == {v} and h.audit(p, r) < TOL, r.request_id
+
+    transfer = sent[0].path.rsplit("/", 1)[0]  # tcp://host:port/nonce
+    never = sent[0].model_copy(update={"path": f"{transfer}/999999"})  # a transfer nobody sends
+    with pytest.raises(WeightSyncError, match="no plan"):
+        h.run(eng.receive_weights(never, weight_sender.store_addr, "vllm0", 2.0))
+    assert eng.version == v
+    r = h.run(eng.generate(request_id="after-timeout", prompt_ids=prompts[0],
+                           sampling_params={"max_tokens": 20, "seed": 2, "ignore_eos": True}))
+    assert r.versions == [v] * 20 and h.audit(prompts[0], r) < TOL
+
+    good = h.perturbed(v, seed=2000 + v)
+    outcome, results, prompts = receive_mid_generation(h, weight_sender, "vllm0", v + 1, good)
+    assert outcome == v + 1 == eng.version, outcome
+    h.weights[v + 1] = good
+    assert all(h.audit(p, r) < TOL for p, r in zip(prompts, results, strict=True))

