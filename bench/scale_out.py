@@ -114,7 +114,7 @@ async def _rollout_rate(cfg: Any, model: Path, n_requests: int, prompt_len: int,
         sp = SamplingParams(max_tokens=gen_len, ignore_eos=True)
 
         async def round_(tag: str) -> float:
-            prompts = [[rng.randrange(10, 200) for _ in range(prompt_len)] for _ in range(n_requests)]
+            prompts = [[rng.randrange(10, 100) for _ in range(prompt_len)] for _ in range(n_requests)]
             t0 = time.perf_counter()
             outs = await asyncio.gather(*(manager.generate(request_id=f"{tag}-{i}", prompt_ids=p, sampling_params=sp)
                                           for i, p in enumerate(prompts)))
