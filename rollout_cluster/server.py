@@ -296,6 +296,8 @@ class RolloutServer:
             if rendezvous:
                 await self.join_weights(rendezvous)
             version, tensors = await asyncio.to_thread(self._receiver.receive, meta)
+            if version <= self.version:  # sent again for a restarted sibling: nothing to load
+                return self.version
             await self.engine.update_weights(list(tensors), version)
         dt = time.perf_counter() - t0
         self.counters["weight_update_seconds_total"] += dt

@@ -150,3 +150,31 @@ def test_a_server_that_cannot_start_fails_the_start_with_one_line_naming_it(tiny
     err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert err, proc.stderr[-3000:]
     assert "rollout server server-" in err[0] and "on mps, cpu (1 threads) could not start" in err[0], err
+
+
+def test_the_only_server_killed_is_restarted_and_asks_the_trainer_for_the_served_version(
+        tiny_model_dir, tmp_path) -> None:
+    """One server, SIGKILLed mid-run: no sibling to copy the served version from, so the
+    restarted server waits out of rotation and says so; the trainer, starved of data,
+    sends its current version again; the server loads it, comes back, the run ends."""
+    from areal_like.orchestration.launch import run_both
+
+    run_dir = tmp_path / "run"
+    killed: list[int] = []
+
+    def on_step(rec: dict) -> None:
+        if rec["step"] == 3 and not killed:
+            procs = _server_processes()
+            assert len(procs) == 1, procs
+            os.kill(procs[0].pid, signal.SIGKILL)
+            killed.append(procs[0].pid)
+
+    cfg = _cfg(tiny_model_dir, run_dir, "rollout.num_servers=1", "train.total_steps=8",
+               "rollout.server_restarts=1", "rollout.server_restart_backoff_s=0.2")
+    summary = run_both(cfg, on_step=on_step)
+    assert killed
+    _ends_as_configured(run_dir, summary, 8)
+    recs = list(read_jsonl(run_dir / "metrics.jsonl"))
+    assert max(r.get("server_restarts", 0) for r in recs) == 1
+    assert max(r.get("servers_waiting_for_weights", 0) for r in recs) == 1, "the wait was never reported"
+    assert summary.get("over_stale", 0) == 0, summary

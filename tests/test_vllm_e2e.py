@@ -37,10 +37,25 @@ def _sets(*sets: str) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
 
 
+_RUNS: list[_Run] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind():
+    """A test that fails mid-run must not leave its run (Ray, engines) on the machine."""
+    yield
+    while _RUNS:
+        run = _RUNS.pop()
+        if run.p.poll() is None:
+            os.killpg(run.p.pid, signal.SIGKILL)
+            run.p.wait(timeout=30)
+
+
 class _Run:
     """`areal-like run` in its own session, output to a file."""
 
     def __init__(self, tmp: Path, *sets: str) -> None:
+        _RUNS.append(self)
         self.dir = tmp / "run"
         self.log = tmp / "out.log"
         self._out = self.log.open("w")

@@ -319,6 +319,9 @@ class RolloutCounters(_Strict):
     server_failures: float = 0.0
     generate_retries: float = 0.0
     server_restarts: float = 0.0
+    servers_waiting_for_weights: float = 0.0
+    """Restarted servers with no live sibling to copy the served version from: they wait
+    out of rotation until the trainer sends its current version again."""
     engine: dict[str, float] = Field(default_factory=dict)
     """An engine's own numbers beside the engine-agnostic ones, summed over servers (vLLM:
     `vllm_kv_cache_usage`, `vllm_num_waiting`, `vllm_preemptions`, ...)."""

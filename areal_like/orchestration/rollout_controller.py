@@ -69,6 +69,7 @@ class RolloutController:
         send: Callable[[BaseModel], Awaitable[None]],
         apply_weights: Callable[[WeightUpdateMeta], Awaitable[int]],
         join_weights: Callable[[VersionAnnouncement], Awaitable[None]] | None = None,
+        wants_weights: Callable[[], bool] | None = None,
         counters: Callable[[], RolloutCounters] = RolloutCounters,
         eval_rows: list[dict[str, Any]] | None = None,
         eval_every: int = 0,
@@ -89,6 +90,9 @@ class RolloutController:
         self.send = send
         self.apply_weights = apply_weights
         self.join_weights = join_weights
+        self.wants_weights = wants_weights
+        """True while a restarted server waits for the version the others serve: a meta of
+        that same version (the trainer sends it again) is applied too."""
         self.counters = counters
         self.eval_rows = eval_rows or []
         self.eval_every = eval_every
@@ -279,7 +283,9 @@ class RolloutController:
                                  "another trainer")
         self.gate.on_trainer_counts(ann.consumed, ann.dropped, ann.sent_base)
         meta = ann.weights
-        if meta is not None and meta.version > self.loaded_version:
+        again = meta is not None and meta.version == self.loaded_version and self.wants_weights is not None \
+            and self.wants_weights()
+        if meta is not None and (meta.version > self.loaded_version or again):
             try:
                 version = await self.apply_weights(meta)
             except Exception as e:  # keep serving the old version; the next one retries
@@ -288,7 +294,7 @@ class RolloutController:
                 self.loaded_version = version
                 self.gate.set_loaded_version(version)
                 self._awaiting_weights = False
-                if self.eval_every and version % self.eval_every == 0:
+                if self.eval_every and version % self.eval_every == 0 and not again:
                     self._start_eval(version)
         if ann.stop:
             self._start_eval(self.loaded_version)  # the final version is always evaluated

@@ -116,6 +116,7 @@ class RolloutSide:
                 send=make_sender(pusher),
                 apply_weights=self.apply_weights,
                 join_weights=self.join_weights,
+                wants_weights=lambda: bool(self.pool.waiting),
                 counters=self.counters,
                 eval_rows=self._eval_rows(),
                 eval_every=cfg.eval.every_n_steps,
@@ -233,7 +234,7 @@ class RolloutSide:
                     self._lagging.discard(name)
                     if name not in self.manager.server_names:
                         self.manager.add_server(self.pool._adapter(name), name=name)
-            self._version = max(ok.values())
+            self._version = max(self._version, *ok.values())
         return self._version
 
     async def join_weights(self, ann: VersionAnnouncement) -> None:
@@ -264,6 +265,7 @@ class RolloutSide:
             server_failures=manager["server_failures"],
             generate_retries=manager["generate_retries"],
             server_restarts=manager.get("server_restarts", 0.0),
+            servers_waiting_for_weights=float(len(self.pool.waiting)),
             engine={k: total(k) / (len(per) if k.endswith("usage") else 1)  # a usage is a mean, counts add
                     for k in sorted({k for m in per for k in m if k.startswith("vllm_")})},
             per_server=self.pool.per_server(),

@@ -38,6 +38,8 @@ class ServerPool:
         self._rendezvous: str | None = None
         self._poller: asyncio.Task[None] | None = None
         self._loaded = asyncio.Event()
+        self.waiting: set[str] = set()
+        """Restarted servers waiting for the trainer to send the served version again."""
 
     # ---- starting ---------------------------------------------------------------------
     def _spawn(self, name: str) -> Any:
@@ -120,11 +122,15 @@ class ServerPool:
                 self.versions[name] = await handle.load_weights.remote(exported)
                 log.info("rollout server %s: v%d copied from %s", name, self.versions[name], donor)
             else:
-                log.warning("rollout server %s: no live server to copy v%d from; it waits for the next version",
+                log.warning("rollout server %s: no live server to copy v%d from; it asks the trainer for it",
                             name, loaded_version)
-                while self.versions[name] < loaded_version:
-                    self._loaded.clear()
-                    await self._loaded.wait()
+                self.waiting.add(name)
+                try:
+                    while self.versions[name] < loaded_version:
+                        self._loaded.clear()
+                        await self._loaded.wait()
+                finally:
+                    self.waiting.discard(name)
         return self._adapter(name)
 
     def mark_dead(self, name: str) -> None:

@@ -349,6 +349,7 @@ class TrainerController:
     def _while_waiting(self, v: int) -> None:
         """No batch yet: keep the rollout side fed and check that it is alive."""
         self._feed_joining_rollout()
+        self._feed_restarted_servers()
         self._resend_if_rollout_stuck()
         self._announce()
         try:
@@ -386,6 +387,26 @@ class TrainerController:
         if now - self._fed_at < every_s:
             return
         self._fed_at = now
+        self.last_meta = self._send_weights(v)
+        self._sent_at = time.time()
+        self._announce(weights=self.last_meta, force=True)
+
+    def _feed_restarted_servers(self, every_s: float = 5.0) -> None:
+        """A rollout server restarted with no live sibling to copy the served version from
+        waits, out of rotation, for the trainer to send it again (the rollout side says so
+        in its reports): send the current version, at most every `every_s`."""
+        r = self.rollout
+        if r is None or r.kind == "final" or self._stopping or not r.counters.servers_waiting_for_weights:
+            return
+        if time.time() - self._sent_at < every_s or self._rollout_at < self._sent_at:
+            return  # a send is recent, or no report has come since it
+        try:
+            self.weights.wait(timeout=0)
+        except Exception:  # the last transfer is still on the wire
+            return
+        v = self.trainer.version
+        log.info("%d restarted rollout server(s) wait for the served weights: sending v%d again",
+                 int(r.counters.servers_waiting_for_weights), v)
         self.last_meta = self._send_weights(v)
         self._sent_at = time.time()
         self._announce(weights=self.last_meta, force=True)

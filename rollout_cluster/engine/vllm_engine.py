@@ -866,6 +866,15 @@ class VLLMEngine:
                     await self._guard(self._llm.collective_rpc("areal_drop_received"))
                 raise WeightSyncError(str(e)) from None
 
+        if version <= self._version:
+            # A version this engine serves already, sent again for a restarted sibling:
+            # take part in the transfer (every member must), load nothing, keep serving.
+            try:
+                await receive()
+            finally:
+                await self._guard(self._llm.collective_rpc("areal_drop_received"))
+            return self._version
+
         async def load() -> None:
             await receive()
             await self._guard(self._llm.collective_rpc("areal_load_received", args=(version,)))
