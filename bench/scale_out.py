@@ -1,7 +1,7 @@
 """Scale-out: server actors, and the direct weight path against the old one.
 
 Run: `python bench/scale_out.py [--servers 1,2,4] [--total-threads 4] [--sizes 25,100]
-[--reps 3] [--learn-steps 0]` (CPU; embedded Ray on this machine). Progress goes to
+[--reps 3] [--learn-steps 0] [--parts rollout,weights]` (CPU; embedded Ray on this machine). Progress goes to
 stderr; the last stdout line is one JSON object. What it measures:
 
 1. `rollout`: generation tokens/s with 1, 2, 4 inference-server actors (each its own
@@ -252,7 +252,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="25,100")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--learn-steps", type=int, default=0)
+    ap.add_argument("--parts", default="rollout,weights", help="of rollout,weights (learning runs with --learn-steps)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     from areal_like.orchestration.launch import init_ray, ray_env
 
@@ -263,15 +265,18 @@ def main() -> None:
         root = Path(tmp)
         import ray
 
-        init_ray(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": ray_env()})
-        try:
-            result["rollout"] = bench_rollout(ROOT / "areal_like/assets/quickstart_model", root,
-                                              [int(x) for x in args.servers.split(",")], args.total_threads)
-            result["weight_sync"] = {f"{s}M": bench_weight_sync(s, root, args.reps)
-                                     for s in (int(x) for x in args.sizes.split(","))}
-        finally:
-            ray.shutdown()
+        if parts & {"rollout", "weights"}:
+            init_ray(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": ray_env()})
+            try:
+                if "rollout" in parts:
+                    result["rollout"] = bench_rollout(ROOT / "areal_like/assets/quickstart_model", root,
+                                                      [int(x) for x in args.servers.split(",")], args.total_threads)
+                if "weights" in parts:
+                    result["weight_sync"] = {f"{s}M": bench_weight_sync(s, root, args.reps)
+                                             for s in (int(x) for x in args.sizes.split(","))}
+            finally:
+                ray.shutdown()
         if args.learn_steps:
             result["learning"] = bench_learning(root, args.learn_steps)
     print(json.dumps(result))

@@ -146,3 +146,27 @@ def test_evaluation_is_held_out_from_the_users_rows(tmp_path, caplog) -> None:
     with caplog.at_level("WARNING"):
         assert load_rows(none, "eval", 3) == [] and len(load_rows(none, "train", 3)) == 100
     assert "no evaluation" in caplog.text
+
+
+def test_prompts_every_sample_solves_are_skipped_until_all_are() -> None:
+    rows = [{"prompt": f"p{i}", "answer": "1"} for i in range(4)]
+    src = PromptSource(rows, seed=0, shuffle=False, skip_solved_after=2)
+    first = [src.next() for _ in range(4)]
+    assert [r["prompt"] for r in first] == ["p0", "p1", "p2", "p3"]
+    for _ in range(2):  # p0 solved by all 4 samples twice in a row; p1 once, then a miss
+        src.record(rows[0], [1.0] * 4, 4)
+    src.record(rows[1], [1.0] * 4, 4)
+    src.record(rows[1], [1.0, 0.0, 1.0, 1.0], 4)
+    src.record(rows[2], [1.0] * 3, 4)  # a failed episode: not solved
+    assert [src.next()["prompt"] for _ in range(6)] == ["p1", "p2", "p3", "p1", "p2", "p3"]
+    assert src.skipped_solved == 2 and src.solved == 1
+    assert src.state_dict()["skipped_solved"] == 2
+    src.record(rows[0], [0.0] * 4, 4)  # it regressed: served again
+    assert "p0" in [src.next()["prompt"] for _ in range(4)]
+    for r in rows:
+        for _ in range(2):
+            src.record(r, [1.0] * 4, 4)
+    assert len({src.next()["prompt"] for _ in range(8)}) == 4  # all solved: served anyway, never stuck
+    off = PromptSource(rows, seed=0, shuffle=False)
+    off.record(rows[0], [1.0] * 4, 4)
+    assert [off.next()["prompt"] for _ in range(4)] == ["p0", "p1", "p2", "p3"] and off.skipped_solved == 0

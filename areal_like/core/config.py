@@ -137,6 +137,13 @@ class DatasetConfig(_Section):
     """Number of generated held-out problems."""
     shuffle: bool = True
     """Shuffle the training rows each epoch (seeded by `run.seed`)."""
+    skip_solved_after: int = Field(0, ge=0)
+    """Skip a prompt once its last this-many groups were solved by every sample (reward ≥
+    `solved_reward`): a saturated task stops spending generation on groups that teach
+    nothing (DAPO-style dynamic sampling). 0 = never skip. Counted as
+    `data_skipped_solved`; when every prompt is solved they are served again."""
+    solved_reward: float = 1.0
+    """The reward at or above which a sample counts as solved (for `skip_solved_after`)."""
 
     @model_validator(mode="after")
     def _needs_path(self) -> DatasetConfig:
@@ -329,6 +336,9 @@ TrainBackendConfig = Annotated[TorchBackendConfig | MegatronBackendConfig, Field
 class TrainConfig(_Section):
     total_steps: int = Field(100, ge=1)
     """Train steps (each advances the version by one)."""
+    stop_at_eval_accuracy: float | None = Field(None, gt=0.0, le=1.0)
+    """End the run (as configured, exit 0) once a held-out evaluation reaches this sampled
+    accuracy; None = train all `total_steps`. Needs `eval.every_n_steps > 0`."""
     max_consecutive_skips: int = Field(3, ge=1)
     """Train steps skipped in a row (non-finite loss or gradient) that stop the run with an
     error: a model that only produces NaN must not spin forever."""
@@ -492,6 +502,12 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 f"staleness.max_concurrent={self.staleness.max_concurrent} < rollout.group_size="
                 f"{self.rollout.group_size}: groups are admitted whole, so no group could ever start"
+            )
+        if self.train.stop_at_eval_accuracy is not None and (self.eval.every_n_steps <= 0
+                                                             or self.eval.num_samples <= 0):
+            raise ValueError(
+                f"train.stop_at_eval_accuracy={self.train.stop_at_eval_accuracy} needs evaluations: "
+                f"eval.every_n_steps={self.eval.every_n_steps}, eval.num_samples={self.eval.num_samples}"
             )
         return self
 

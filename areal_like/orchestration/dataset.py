@@ -237,8 +237,16 @@ class PromptSource:
         shuffle: bool = True,
         prompt_len: Callable[[dict[str, Any]], int] | None = None,
         max_prompt_len: int | None = None,
+        skip_solved_after: int = 0,
+        solved_reward: float = 1.0,
     ) -> None:
         self.filtered_too_long = 0
+        self.skip_solved_after = skip_solved_after
+        self.solved_reward = solved_reward
+        self.skipped_solved = 0
+        """Times a solved prompt was passed over."""
+        self._streak: dict[int, int] = {}
+        """Row index -> groups in a row solved by every sample (only rows with a streak)."""
         if prompt_len is not None and max_prompt_len is not None:
             kept = [r for r in rows if prompt_len(r) <= max_prompt_len]
             self.filtered_too_long = len(rows) - len(kept)
@@ -248,6 +256,7 @@ class PromptSource:
                 f"no usable rows: {self.filtered_too_long} prompts were longer than max_prompt_len={max_prompt_len}"
             )
         self.rows = rows
+        self._index = {id(r): i for i, r in enumerate(rows)}
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -260,17 +269,51 @@ class PromptSource:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order
 
-    def next(self) -> dict[str, Any]:
+    def _advance(self) -> int:
         if self.pos >= len(self._order):
             self.epoch += 1
             self.pos = 0
             self._order = self._make_order()
-        row = self.rows[self._order[self.pos]]
+        i = self._order[self.pos]
         self.pos += 1
-        return row
+        return i
+
+    def next(self) -> dict[str, Any]:
+        """The next row; with `skip_solved_after`, rows solved that many groups in a row are
+        passed over (counted) unless every row is solved, so the stream never stops."""
+        i = self._advance()
+        k = self.skip_solved_after
+        if k and self._streak.get(i, 0) >= k:
+            first, where = i, (self.epoch, self.pos, self._order)
+            skipped = 0
+            while self._streak.get(i, 0) >= k and skipped < len(self.rows):
+                skipped += 1
+                i = self._advance()
+            if self._streak.get(i, 0) >= k:  # every row is solved: serve as if none were skipped
+                (self.epoch, self.pos, self._order), i, skipped = where, first, 0
+            self.skipped_solved += skipped
+        return self.rows[i]
+
+    def record(self, row: dict[str, Any], rewards: list[float], size: int) -> None:
+        """A group of `row` finished with these rewards (of `size` episodes): solved when
+        every episode finished with a reward of at least `solved_reward`."""
+        i = self._index.get(id(row))
+        if i is None or not self.skip_solved_after:
+            return
+        if len(rewards) == size and all(r >= self.solved_reward for r in rewards):
+            self._streak[i] = self._streak.get(i, 0) + 1
+        else:
+            self._streak.pop(i, None)
+
+    @property
+    def solved(self) -> int:
+        """Rows currently skipped as solved."""
+        return sum(1 for n in self._streak.values() if n >= self.skip_solved_after) if self.skip_solved_after else 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
+        """Where the stream resumes (the counters ride along for the metrics; which rows are
+        solved is not kept: after a resume it is learnt again within a few groups)."""
+        return {"epoch": self.epoch, "pos": self.pos, "skipped_solved": self.skipped_solved, "solved": self.solved}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])

@@ -21,7 +21,8 @@ def ray_env() -> dict[str, str]:
 
 
 def init_ray(**kwargs: Any) -> None:
-    """`ray.init`, keeping the caller's SIGTERM and SIGINT handlers.
+    """`ray.init`, keeping the caller's SIGTERM and SIGINT handlers; without an `address`
+    it starts a fresh local Ray (`address="local"`).
 
     Ray installs its own SIGTERM handler in the driver, which aborts the process
     without running our `finally` blocks (engines, sockets, placement groups and Ray
@@ -32,6 +33,10 @@ def init_ray(**kwargs: Any) -> None:
 
     import ray
 
+    # No address: our own embedded Ray, never a cluster someone else started on this
+    # machine (`ray start`), which plain `ray.init()` would join (and then refuse num_cpus).
+    if not kwargs.get("address"):
+        kwargs["address"] = "local"
     main_thread = threading.current_thread() is threading.main_thread()
     sigs = (signal.SIGTERM, signal.SIGINT)
     prev = {sig: signal.getsignal(sig) for sig in sigs} if main_thread else {}

@@ -163,6 +163,7 @@ class RolloutSide:
             restart_backoff_s=cfg.rollout.server_restart_backoff_s,
             on_server_failure=lambda name, _e: self.pool.mark_dead(name),
         )
+        self.pool.on_death = self.manager.mark_failed  # found dead by the metrics poll
         overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}
         return AgentRunner.from_config(cfg, server_manager=self.manager, tokenizer=self.tokenizer, **overrides)
 
@@ -186,7 +187,8 @@ class RolloutSide:
 
         rows = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed,
                                                   max_eval_rows=cfg.eval.num_samples)
-        source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len)
+        source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len,
+                              skip_solved_after=cfg.dataset.skip_solved_after, solved_reward=cfg.dataset.solved_reward)
         if source.filtered_too_long:
             log.warning("%d prompts longer than rollout.max_prompt_len=%d were filtered at load",
                         source.filtered_too_long, cfg.rollout.max_prompt_len)

@@ -38,6 +38,8 @@ class ServerPool:
         self._rendezvous: str | None = None
         self._poller: asyncio.Task[None] | None = None
         self._loaded = asyncio.Event()
+        self.on_death: Any = None
+        """`on_death(name, error)`: a server found dead outside a call (the metrics poll)."""
         self.waiting: set[str] = set()
         """Restarted servers waiting for the trainer to send the served version again."""
 
@@ -182,8 +184,9 @@ class ServerPool:
             for n, ref in zip(names, refs, strict=True):
                 try:
                     self.metrics[n] = await asyncio.wait_for(ref, timeout=5.0)
-                except Exception:  # a dead or busy server: the manager notices deaths on calls
-                    continue
+                except Exception as e:  # busy: next round; dead: noticed now, not at its next call
+                    if _is_actor_death(e) and n in self._alive and self.on_death is not None:
+                        self.on_death(n, e)
             await asyncio.sleep(every_s)
 
     def per_server(self) -> dict[str, ServerCounters]:
@@ -212,6 +215,12 @@ class ServerPool:
             _kill(h)
         self.actors.clear()
         self._alive.clear()
+
+
+def _is_actor_death(error: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(error, RayActorError)
 
 
 def _kill(handle: Any) -> None:

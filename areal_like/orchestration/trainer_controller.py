@@ -153,6 +153,8 @@ class TrainerController:
         self._sent_at = time.time()
         """When weights were last sent (a rollout report must come later to say it lags)."""
         self._rollout_at = 0.0
+        self.target_reached: tuple[int, float] | None = None
+        """(version, accuracy) of the evaluation that reached `train.stop_at_eval_accuracy`."""
         """When the last rollout report (not an eval) arrived."""
 
     # ---- resume ----------------------------------------------------------------------
@@ -231,7 +233,7 @@ class TrainerController:
             self.run_dir.record_weights(0, dict(self.trainer.named_weights()), self.model_path)
         self._announce(weights=self.resumed_meta, data_position=self.data_position, force=True)
         t_wait = time.time()
-        while self.trainer.version < cfg.train.total_steps:
+        while self.trainer.version < cfg.train.total_steps and self.target_reached is None:
             t_loop = time.time()
             self._drain(timeout_s=0.05)
             v = self.trainer.version
@@ -262,7 +264,7 @@ class TrainerController:
                 if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
                     self.checkpoint()
             t_wait = time.time()
-        return self._finish()
+        return self._finish(reason="target_reached" if self.target_reached is not None else "finished")
 
     def _stragglers(self, v: int) -> list[str]:
         """Admitted groups still running that the step v → v+1 would push past η: the
@@ -487,6 +489,11 @@ class TrainerController:
         elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
             self.telemetry.evaluation(msg, self.trainer.version)
             log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.eval.accuracy)
+            target = self.cfg.train.stop_at_eval_accuracy
+            if target is not None and msg.eval.accuracy >= target and self.target_reached is None:
+                self.target_reached = (msg.loaded_version, msg.eval.accuracy)
+                log.warning("held-out accuracy %.3f at v%d reached train.stop_at_eval_accuracy=%g: the run ends "
+                            "after this step", msg.eval.accuracy, msg.loaded_version, target)
         else:
             self.rollout = msg
             self._rollout_at = time.time()
@@ -528,6 +535,7 @@ class TrainerController:
         servers = {n: srv.model_dump() for n, srv in self.rollout.counters.per_server.items()} if self.rollout else {}
         self.mlog.write("summary", self.trainer.version, counts_add_up=ok, ended=reason, **summary,
                         refused_frames=dict(self.peers.refused), servers=servers,
+                        target_reached=list(self.target_reached) if self.target_reached else None,
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary
 

@@ -320,8 +320,8 @@ class MegatronTrainEngine(TrainEngine):
                 with torch.no_grad():
                     for m, w in zip(self._master, saved, strict=True):
                         m.copy_(w)
-        else:  # our own files; Megatron's optimizer state holds non-tensor objects
-            self.optimizer.load_state_dict(torch.load(src / f"optimizer_rank{self.rank}.pt", weights_only=False))
+        else:  # tensors, numbers and containers only: nothing on disk is unpickled as code
+            self.optimizer.load_state_dict(torch.load(src / f"optimizer_rank{self.rank}.pt", weights_only=True))
             self.optimizer.load_parameter_state(str(src / f"optimizer_params_tp{self.tp_rank}.pt"))
         _set_rng_state(torch.load(src / f"rng_rank{self.rank}.pt", weights_only=True))
         state = json.loads((src / "trainer_state.json").read_text())
