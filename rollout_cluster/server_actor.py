@@ -111,7 +111,8 @@ class ServerActor:
     async def load_weights(self, exported: tuple[int, list[tuple[str, Any]]]) -> int:
         """Load what a sibling's `export_weights` returned (a restart catching up)."""
         version, named = exported
-        await self.server.update_weights(named, version)
+        if version > self.server.version:  # a newer version may have arrived meanwhile: keep it
+            await self.server.update_weights(named, version)
         return self.server.version
 
     def metrics(self) -> dict[str, float]:

@@ -120,10 +120,13 @@ class ServerPool:
             donor = next((n for n in self.names if n in self._alive and n != name
                           and self.versions.get(n, -1) >= loaded_version), None)
             if donor is not None:
-                exported = self.actors[donor].export_weights.remote()
-                self.versions[name] = await handle.load_weights.remote(exported)
-                log.info("rollout server %s: v%d copied from %s", name, self.versions[name], donor)
-            else:
+                try:  # sibling to sibling through Ray's object store: a restart, not the sync path
+                    exported = self.actors[donor].export_weights.remote()
+                    self.versions[name] = max(self.versions[name], await handle.load_weights.remote(exported))
+                    log.info("rollout server %s: v%d copied from %s", name, self.versions[name], donor)
+                except Exception as e:  # vLLM cannot export; a donor may die meanwhile
+                    log.info("rollout server %s: copying from %s failed (%s)", name, donor, _first_line(e))
+            if self.versions[name] < loaded_version:
                 log.warning("rollout server %s: no live server to copy v%d from; it asks the trainer for it",
                             name, loaded_version)
                 self.waiting.add(name)
