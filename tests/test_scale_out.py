@@ -32,10 +32,14 @@ def _cfg(tiny_model_dir, run_dir, *extra: str):
 
 
 def _server_processes() -> list[psutil.Process]:
+    """Server actor processes of this test's own Ray (descendants of this process: the
+    raylet is our child), not of another Ray running on the machine."""
     out = []
+    me = os.getpid()
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if any("ServerActor" in part for part in (p.info["cmdline"] or [])):
+            if any("ServerActor" in part for part in (p.info["cmdline"] or [])) and \
+                    any(a.pid == me for a in p.parents()):
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
