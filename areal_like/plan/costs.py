@@ -156,6 +156,11 @@ class CostModel(_Strict):
     """Device name, for the report."""
     devices_per_node: int = Field(8, ge=1, le=1024)
     """Devices per node (decides when a broadcast crosses nodes)."""
+    shared_cores: float | None = Field(None, gt=0.0, le=4096.0)
+    """CPU cores that both pools share (one CPU machine): while more compute threads are
+    busy than there are cores (each rollout server's `rollout.server_threads`, the trainer's
+    `train.backend.threads` × ranks), every busy one slows in proportion. None: every
+    device is its own (GPU clusters)."""
     price_per_device_hour: float | None = Field(None, ge=0.0, le=1000.0)
     """Rental price, for $/step in the plan (the CLI's --price overrides it)."""
     decode: DecodeCost

@@ -157,6 +157,7 @@ def profile(cfg: ExperimentConfig, model_path: str, *, threads: int = 1, quick: 
         notes=(f"one device = one CPU core with {threads} torch thread(s); embedded engine, fp32; "
                "weight sync measured with the disk transport in one process"),
         hardware=f"CPU core ({host})", devices_per_node=os.cpu_count() or 1,
+        shared_cores=float(os.cpu_count() or 1),  # both pools share this machine's cores
         decode=DecodeCost(base_s=base, per_seq_s=per_seq, per_context_token_s=per_ctx,
                           prefill_tokens_per_s=prefill_rate, max_batch=max_batch,
                           kv_capacity_tokens=max_batch * max_seq),

@@ -15,9 +15,10 @@ What is simulated, on one clock (a heap of timed events):
   the version (pause, and under `interrupt_mode=recompute` re-prefill every in-flight
   context: the interrupt cost), then the gate sees the new loaded version.
 
-Simplifications (stated in docs/planning.md): KV admission reserves the full response
-(no preemption), prefill is not chunked, all servers get a version at the same moment,
-the trainer's DP replicas are one step-time formula.
+Simplifications (stated in docs/planning.md): CPU contention (`shared_cores`) is taken
+when a segment or step is planned, not re-planned as others start or stop; KV admission
+reserves the full response (no preemption), prefill is not chunked, all servers get a
+version at the same moment, the trainer's DP replicas are one step-time formula.
 """
 
 from __future__ import annotations
@@ -198,6 +199,9 @@ class _Sim:
         self.step_times: list[float] = []
         self.train_phases: list[float] = []
         self.trainer_busy_s = 0.0
+        self.train_left = self.train_from = self.train_started = self.train_factor = 0.0
+        self.train_gen = 0
+        self.train_groups: list[TrajectoryGroup] = []
         self.last_t = 0.0
         self.straggler_s = 0.0
         self.overlap_s = 0.0
@@ -205,6 +209,19 @@ class _Sim:
         self.interrupts = 0
         self.recomputed = 0
         self.generated = 0
+
+    def contention(self) -> float:
+        """How much slower compute runs now because busy threads outnumber the shared
+        cores (`CostModel.shared_cores`; 1 with dedicated devices). Taken when a decode
+        segment or a train step is planned."""
+        cores = self.costs.shared_cores
+        if cores is None:
+            return 1.0
+        b = self.cfg.train.backend
+        ranks = b.tensor_parallel_size * b.data_parallel_size if b.type == "megatron" else b.world_size
+        busy = sum(1 for s in self.servers if s.running) * self.cfg.rollout.server_threads
+        busy += b.threads * ranks if self.in_train_compute else 0
+        return max(1.0, busy / cores)
 
     # -- event plumbing
     def push(self, t: float, kind: str, data: Any = None) -> None:
@@ -231,6 +248,8 @@ class _Sim:
                 self.gate.set_loaded_version(data)
             self.admit_groups()
             self.try_train()
+            if self.in_train_compute and self.costs.shared_cores is not None:
+                self.retime_train()
 
     def integrate(self, t: float) -> None:
         """Time-weighted counters between two events (straggler wait, overlap)."""
@@ -326,7 +345,7 @@ class _Sim:
         m = min(r.remaining for r in s.running)
         n = len(s.running)
         ctx = sum(r.episode.context for r in s.running) + n * m / 2  # mid-segment context
-        s.iter_s = d.base_s + d.per_seq_s * n + d.per_context_token_s * ctx
+        s.iter_s = (d.base_s + d.per_seq_s * n + d.per_context_token_s * ctx) * self.contention()
         s.decode_from = max(s.decode_from, self.now)
         self.push(s.decode_from + m * s.iter_s, "server", (s.sid, s.gen))
 
@@ -368,13 +387,32 @@ class _Sim:
         if groups is None:
             return
         tokens = int(sum(t.metrics["tokens"] for g in groups for t in g.trajectories))
-        dt = train_step_s(self.costs, tokens, self.split.train_devices)
         self.training = self.in_train_compute = True
+        self.train_left = train_step_s(self.costs, tokens, self.split.train_devices)
+        self.train_started = self.now
+        self.train_groups = groups
+        self.train_factor = 0.0
+        self.retime_train()
+
+    def retime_train(self) -> None:
+        """(Re)plan the end of the running train step at the contention of now: what was
+        done since the last plan is credited at the old rate."""
+        f = self.contention()
+        if f == self.train_factor:
+            return
+        if self.train_factor:
+            self.train_left -= (self.now - self.train_from) / self.train_factor
+        self.train_from, self.train_factor = self.now, f
+        self.train_gen += 1
+        self.push(self.now + max(0.0, self.train_left) * f, "train_done", self.train_gen)
+
+    def on_train_done(self, gen: int) -> None:
+        if gen != self.train_gen or not self.in_train_compute:
+            return  # re-planned since
+        groups = self.train_groups
+        dt = self.now - self.train_started
         self.trainer_busy_s += dt
         self.train_phases.append(dt + self.sync_s)
-        self.push(self.now + dt, "train_done", groups)
-
-    def on_train_done(self, groups: list[TrajectoryGroup]) -> None:
         self.in_train_compute = False
         self.buffer.mark_trained(groups)
         self.version += 1
