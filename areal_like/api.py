@@ -76,13 +76,27 @@ class GRPOTrainer:
         self.tools = _tools(tools) if tools else None
         self.agent_loops = agent_loops
 
-    def train(self, resume: bool = False, overwrite: bool = False) -> dict[str, int]:
-        """Run both clusters on this machine until `train.total_steps`; returns the outcome counts."""
+    def train(self, resume: bool = False, overwrite: bool = False, verbose: bool | None = None) -> dict[str, int]:
+        """Run both clusters on this machine until `train.total_steps`; returns the outcome counts.
+
+        Shows the same progress as `areal-like run` (dashboard URL, a line per step with
+        reward, eval accuracy and ETA) on stderr; other log lines go to `run.dir/run.log`
+        unless `verbose` (or `run.verbose`). Your own logging setup is left alone."""
+        import logging
+
+        from areal_like.orchestration.console import Progress, setup_console
         from areal_like.orchestration.launch import run_both
 
+        if verbose is not None:
+            self.cfg.run.verbose = verbose
+        if not logging.getLogger().handlers:  # nobody configured logging: ours, as in the CLI
+            setup_console(self.cfg.run.verbose)
+        progress = Progress(self.cfg.train.total_steps)
         user = {"rows": self.rows, "eval_rows": self.eval_rows, "reward_fn": self.reward_fn,
                 "tools": self.tools, "loops": self.agent_loops}
-        return run_both(self.cfg, resume=resume, overwrite=overwrite, user=user)
+        return run_both(self.cfg, resume=resume, overwrite=overwrite, user=user, on_step=progress,
+                        on_start=lambda side: progress.start(run_dir=side.cfg.run.dir,
+                                                             dashboard_url=side.dashboard_url))
 
 
 def _combine(funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | str) -> Any:

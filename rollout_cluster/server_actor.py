@@ -36,8 +36,10 @@ class ServerActor:
 
     def __init__(self, name: str, model_path: str, engine_config: dict[str, Any], *, interrupt_mode: str,
                  seed: int, threads: int, weight_sync: dict[str, Any], default_disk_path: str,
-                 log_level: str = "INFO") -> None:
-        logging.basicConfig(level=log_level, format=f"%(asctime)s {name} %(name)s: %(message)s")
+                 log_level: str = "INFO", log_file: str | None = None, console: bool = True) -> None:
+        from areal_like.core.logs import process_logging
+
+        process_logging(name, log_level, log_file, console)
         self.name = name
         self._args = (model_path, engine_config, interrupt_mode, seed, threads, weight_sync, default_disk_path)
         self.server: Any = None

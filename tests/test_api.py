@@ -17,7 +17,7 @@ async def even_length(sample, output) -> dict:
     return {"reward": float(len(output.response_ids) % 2 == 0), "length": float(len(output.response_ids))}
 
 
-def test_grpo_trainer_with_callables_and_rows(tiny_model_dir, tmp_path) -> None:
+def test_grpo_trainer_with_callables_and_rows(tiny_model_dir, tmp_path, capfd) -> None:
     from areal_like.api import GRPOTrainer
 
     rows = [{"prompt": f"{i}+{i}", "answer": str(2 * i), "agent_name": "single_turn"} for i in range(20)]
@@ -35,6 +35,10 @@ def test_grpo_trainer_with_callables_and_rows(tiny_model_dir, tmp_path) -> None:
     )
     summary = trainer.train()
     assert summary["trained"] == 2 * 8
+    err = capfd.readouterr().err  # the API shows the CLI's progress display
+    assert "dashboard: http://127.0.0.1:" in err and "step 2/2  reward" in err, err[-2000:]
+    assert "pid=" not in err, err[-2000:]  # quiet: Ray's worker output is in the run's log file
+    assert "train[0]" in (tmp_path / "run" / "run.log").read_text()
     trajs = read_jsonl(tmp_path / "run" / "trajectories.jsonl")
     prompts = {tuple(t["prompt_ids"]) for t in trajs}
     assert len(prompts) <= 4  # two steps of two prompts each, from the given rows

@@ -60,8 +60,11 @@ def _get(workers: list[Any], refs: list[Any], what: str) -> list[Any]:
 class _TrainWorker:
     """Body of one Ray actor: joins the trainers' group, then owns a `TorchTrainEngine`."""
 
-    def __init__(self, rank: int, world_size: int, log_level: str) -> None:
-        logging.basicConfig(level=log_level, format=f"%(asctime)s train[{rank}] %(name)s: %(message)s")
+    def __init__(self, rank: int, world_size: int, log_level: str, log_file: str | None = None,
+                 console: bool = True) -> None:
+        from areal_like.core.logs import process_logging
+
+        process_logging(f"train[{rank}]", log_level, log_file, console)
         self.rank, self.world_size = rank, world_size
         self.engine: Any = None
 
@@ -173,6 +176,8 @@ class TrainWorkerGroup:
         seed: int = 0,
         placement_group: Any = None,
         log_level: str = "INFO",
+        log_file: str | Path | None = None,
+        console: bool = True,
     ) -> None:
         import ray
 
@@ -208,7 +213,8 @@ class TrainWorkerGroup:
             return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=rank if per_rank else -1)}
 
-        self.workers = [actor.options(**place(r)).remote(r, self.world_size, log_level)
+        log_file = str(log_file) if log_file is not None else None
+        self.workers = [actor.options(**place(r)).remote(r, self.world_size, log_level, log_file, console)
                         for r in range(self.world_size)]
         store = ray.get(self.workers[0].store_addr.remote())
         cfg = train_cfg.model_dump(mode="json")

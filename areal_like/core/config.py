@@ -79,6 +79,10 @@ class RunConfig(_Section):
     """Save a resumable checkpoint every N train steps (and at the end)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Python logging level for every process of the run."""
+    verbose: bool = False
+    """Every process's log lines (Ray's prefixed worker output, library warnings) on the
+    console too; by default they go to `run.dir/run.log` only and the console shows the
+    progress line, our warnings and errors (the CLI's `--verbose` sets this)."""
 
     @field_validator("dir")
     @classmethod

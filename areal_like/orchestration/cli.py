@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
@@ -111,16 +110,20 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
     resume: bool = typer.Option(False, help="Continue the run in run.dir from its last checkpoint."),
     overwrite: bool = typer.Option(False, help="Replace an existing run.dir."),
+    verbose: bool = typer.Option(False, "--verbose", help="Every process's log lines on the console too (else in run.dir/run.log)."),
 ) -> None:
     """Run both clusters on this machine (embedded Ray, one placement group per pool)."""
     from areal_like.orchestration.launch import run_both
     from areal_like.orchestration.run_dir import RunDirError
     from areal_like.orchestration.trainer_controller import RunAborted, RunInterrupted
 
-    cfg = _load(config, set_)
+    cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
+    _console(cfg)
     _preflight(cfg, "run", resume, overwrite)
+    progress = _progress(cfg)
     try:
-        summary = run_both(cfg, resume=resume, overwrite=overwrite, on_start=_print_start, on_step=_progress(cfg))
+        summary = run_both(cfg, resume=resume, overwrite=overwrite, on_start=lambda side: _print_start(side, progress),
+                           on_step=progress)
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
     except RunAborted as e:
@@ -135,14 +138,20 @@ def rollout(
     config: Path = typer.Argument(..., help="Experiment YAML; transport.* must name the trainer's addresses."),
     set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
     resume: bool = typer.Option(False, help="Accepted for symmetry: the trainer tells the rollout side where to resume."),
+    verbose: bool = typer.Option(False, "--verbose", help="Every process's log lines on the console too (else in run.dir/run.log)."),
 ) -> None:
     """Run the rollout cluster only; it connects to the trainer's data/control addresses."""
     from areal_like.orchestration.bridge import TrainerLostError
     from areal_like.orchestration.rollout_controller import RolloutRefused
     from areal_like.orchestration.rollout_side import RolloutSide
 
-    cfg = _load(config, set_)
+    cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
+    _console(cfg)
     _preflight(cfg, "rollout")
+    if Path(cfg.run.dir).is_dir():  # the trainer's machine: its run folder keeps this side's lines too
+        from areal_like.orchestration.console import attach_run_log
+
+        attach_run_log(cfg.run.dir)
     try:
         out = RolloutSide(cfg).run()
     except ConfigError as e:
@@ -158,6 +167,7 @@ def train(
     set_: list[str] = typer.Option([], "--set", help="Override KEY=VALUE (dotted keys), repeatable."),
     resume: bool = typer.Option(False, help="Continue the run in run.dir from its last checkpoint."),
     overwrite: bool = typer.Option(False, help="Replace an existing run.dir."),
+    verbose: bool = typer.Option(False, "--verbose", help="Every process's log lines on the console too (else in run.dir/run.log)."),
 ) -> None:
     """Run the train cluster only; rollout clusters connect to its transport addresses."""
     import os
@@ -169,15 +179,19 @@ def train(
     from areal_like.orchestration.trainer_controller import RunAborted, RunInterrupted
     from areal_like.orchestration.trainer_side import TrainerSide
 
-    cfg = _load(config, set_)
+    cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
+    _console(cfg)
     _preflight(cfg, "train", resume, overwrite)
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
     try:
-        init_ray(address=cfg.cluster.ray_address, include_dashboard=False) if cfg.cluster.ray_address else init_ray(
-            include_dashboard=False, runtime_env={"env_vars": ray_env()})
-        side = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=_progress(cfg))
-        _print_start(side)
+        v = cfg.run.verbose
+        init_ray(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=v) \
+            if cfg.cluster.ray_address else init_ray(include_dashboard=False, log_to_driver=v,
+                                                    runtime_env={"env_vars": ray_env()})
+        progress = _progress(cfg)
+        side = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=progress)
+        _print_start(side, progress)
         try:
             summary = side.run()
         finally:
@@ -192,30 +206,24 @@ def train(
     _end(summary, cfg.run.dir)
 
 
-def _print_start(side: object) -> None:
+def _console(cfg: ExperimentConfig) -> None:
+    from areal_like.orchestration.console import setup_console
+
+    setup_console(cfg.run.verbose)
+
+
+def _print_start(side: object, progress: object = None) -> None:
     data, control = side.addresses  # type: ignore[attr-defined]
     typer.secho(f"trainer listening: data {data}  control {control}", fg=typer.colors.CYAN)
-    url = getattr(side, "dashboard_url", None)
-    if url:
-        typer.secho(f"dashboard: {url}", fg=typer.colors.GREEN, bold=True)
+    start = getattr(progress, "start", None)
+    if start is not None:
+        start(run_dir=side.cfg.run.dir, dashboard_url=getattr(side, "dashboard_url", None))  # type: ignore[attr-defined]
 
 
-def _progress(cfg: ExperimentConfig):  # noqa: ANN202 - a small closure
-    from rich.console import Console
+def _progress(cfg: ExperimentConfig):  # noqa: ANN202
+    from areal_like.orchestration.console import Progress
 
-    console = Console(stderr=True)
-    total = cfg.train.total_steps
-
-    def on_step(rec: dict) -> None:
-        console.print(
-            f"[bold]step {rec['step']}/{total}[/] reward {rec['reward_mean']:.3f} trained"
-            + (f" / {rec['reward_mean_all_groups']:.3f} all groups" if "reward_mean_all_groups" in rec else "")
-            + " "
-            f"loss {rec.get('loss', float('nan')):.4f} lag≤{rec['max_version_lag']} "
-            f"buffer {rec['buffer_depth']} idle {rec['trainer_idle_ratio']:.2f}"
-        )
-
-    return on_step
+    return Progress(cfg.train.total_steps)
 
 
 @app.command()
@@ -462,7 +470,9 @@ def main() -> None:
     # SIGTERM stops a run the way Ctrl-C does: the finally blocks tear down Ray and sockets.
     signal.signal(signal.SIGTERM, _term_as_interrupt)
     signal.signal(signal.SIGINT, _term_as_interrupt)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from areal_like.orchestration.console import setup_console
+
+    setup_console(verbose=False)  # quiet until a command says otherwise (`--verbose`)
     try:
         app()
     except KeyboardInterrupt:

@@ -35,8 +35,11 @@ class RolloutControllerActor:
 
     def run(self, cfg_json: dict[str, Any], data_addr: str, control_addr: str,
             user: dict[str, Any] | None = None, placement_group: Any = None) -> dict[str, Any]:
-        logging.basicConfig(level=cfg_json["run"]["log_level"], format="%(asctime)s rollout %(name)s: %(message)s")
+        from areal_like.core.logs import process_logging, run_log_path
         from areal_like.orchestration.rollout_side import RolloutSide
+
+        run = cfg_json["run"]
+        process_logging("rollout", run["log_level"], run_log_path(run["dir"]), console=run.get("verbose", False))
 
         cfg = ExperimentConfig.model_validate(cfg_json)
         return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group).run()
@@ -75,11 +78,11 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     started_ray = False
     if not ray.is_initialized():
         if cfg.cluster.ray_address:
-            init_ray(address=cfg.cluster.ray_address, log_to_driver=True)
+            init_ray(address=cfg.cluster.ray_address, log_to_driver=cfg.run.verbose)
         else:
             cpus = os.cpu_count() or 1
             init_ray(num_cpus=max(cpus, cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus),
-                     include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": ray_env()})
+                     include_dashboard=False, log_to_driver=cfg.run.verbose, runtime_env={"env_vars": ray_env()})
         started_ray = True
     from areal_like.orchestration.pools import place, rollout_bundles, train_bundles
 

@@ -37,6 +37,10 @@ def init_ray(**kwargs: Any) -> None:
     # machine (`ray start`), which plain `ray.init()` would join (and then refuse num_cpus).
     if not kwargs.get("address"):
         kwargs["address"] = "local"
+    if not kwargs.get("log_to_driver", True):  # a quiet run: Ray's own INFO banner stays off the console
+        import logging
+
+        kwargs.setdefault("logging_level", logging.WARNING)
     main_thread = threading.current_thread() is threading.main_thread()
     sigs = (signal.SIGTERM, signal.SIGINT)
     prev = {sig: signal.getsignal(sig) for sig in sigs} if main_thread else {}

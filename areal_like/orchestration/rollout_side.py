@@ -76,11 +76,11 @@ class RolloutSide:
         for k, v in ray_env().items():
             os.environ.setdefault(k, v)
         if self.cfg.cluster.ray_address:
-            init_ray(address=self.cfg.cluster.ray_address, log_to_driver=True)
+            init_ray(address=self.cfg.cluster.ray_address, log_to_driver=self.cfg.run.verbose)
         else:
             cpus = os.cpu_count() or 1
             init_ray(num_cpus=max(cpus, self.cfg.cluster.rollout_pool.num_cpus), include_dashboard=False,
-                     log_to_driver=True, runtime_env={"env_vars": ray_env()})
+                     log_to_driver=self.cfg.run.verbose, runtime_env={"env_vars": ray_env()})
         return True
 
     async def main(self) -> dict[str, Any]:

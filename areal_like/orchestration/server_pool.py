@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import ExperimentConfig
+from areal_like.core.logs import run_log_path
 from areal_like.core.types import ServerCounters, WeightUpdateMeta
 
 __all__ = ["ServerPool"]
@@ -68,6 +69,7 @@ class ServerPool:
             interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i,
             threads=cfg.rollout.server_threads, weight_sync=cfg.weight_sync.model_dump(mode="json"),
             default_disk_path=str(Path(cfg.run.dir) / "weight_sync"), log_level=cfg.run.log_level,
+            log_file=str(run_log_path(cfg.run.dir)), console=cfg.run.verbose,
         )
 
     async def _start_one(self, name: str) -> Any:

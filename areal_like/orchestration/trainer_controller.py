@@ -260,6 +260,9 @@ class TrainerController:
                 self.telemetry.write_step(rec, self.idle_s / max(self.idle_s + self.busy_s, 1e-9),
                                           self.rollout.loaded_version if self.rollout is not None else None)
                 if self.on_step is not None:
+                    if self.telemetry.evals:  # the last held-out evaluation, for the progress line
+                        rec = {**rec, "eval_accuracy": self.telemetry.evals[-1]["accuracy"],
+                               "eval_version": self.telemetry.evals[-1]["version"]}
                     self.on_step(rec)
                 if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
                     self.checkpoint()

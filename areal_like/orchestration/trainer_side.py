@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import ExperimentConfig
+from areal_like.core.logs import run_log_path
 from areal_like.orchestration.preflight import resolve_model_path
 
 __all__ = ["TrainerSide"]
@@ -32,6 +33,9 @@ class TrainerSide:
         self.model_path = resolve_model_path(cfg)
         self.run_dir = RunDir(cfg.run.dir)
         self.run_dir.prepare(cfg, resume=resume, overwrite=overwrite)
+        from areal_like.orchestration.console import attach_run_log
+
+        self.log_file = attach_run_log(self.run_dir.path)  # the workers append there too
         self.run_id, self.epoch = self.run_dir.start_epoch()
         self.registry = MetricsRegistry()
         tb = self.run_dir.path / "tensorboard" if cfg.metrics.tensorboard else None
@@ -66,7 +70,8 @@ class TrainerSide:
         cfg = self.cfg
         # torch (DDP/FSDP) or megatron (TP × DP): one Ray actor per rank either way
         self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                      placement_group=self.placement_group, log_level=cfg.run.log_level)
+                                      placement_group=self.placement_group, log_level=cfg.run.log_level,
+                                      log_file=run_log_path(cfg.run.dir), console=cfg.run.verbose)
         trainer = self.group
         self.sender = self.group.weight_sender(cfg.weight_sync, weight_sync_device(cfg),
                                                self.run_dir.path / "weight_sync")
@@ -89,6 +94,9 @@ class TrainerSide:
         log.info("final model exported to %s", self.run_dir.final)
 
     def close(self) -> None:
+        from areal_like.orchestration.console import detach_run_log
+
+        detach_run_log(self.log_file)
         self.dashboard.stop()
         if self.sender is not None:
             self.sender.close()
