@@ -165,13 +165,19 @@ class DiskWeightReceiver(WeightReceiver):
         """The newest complete version under the root, for a receiver that missed the message."""
         if self.root is None:
             raise WeightSyncError("latest() needs weight_sync.disk_path")
-        for _, folder in reversed(_versions(self.root)):
-            try:
-                return wire.decode((folder / MARKER).read_bytes(), expect=WeightUpdateMeta)
-            except FileNotFoundError:
-                continue  # incomplete, or removed while we looked
-            except wire.WireError as e:
-                log.warning("ignoring %s: unreadable marker (%s)", folder, e)
+        for _attempt in range(5):
+            listed = list(reversed(_versions(self.root)))
+            for _, folder in listed:
+                try:
+                    return wire.decode((folder / MARKER).read_bytes(), expect=WeightUpdateMeta)
+                except FileNotFoundError:
+                    continue  # incomplete, or removed while we looked
+                except wire.WireError as e:
+                    log.warning("ignoring %s: unreadable marker (%s)", folder, e)
+            if not listed:
+                return None
+            # Every version listed was incomplete or removed meanwhile: on a loaded machine
+            # the writer can publish (and clean up) several while this reader is descheduled.
         return None
 
     def receive(self, meta: WeightUpdateMeta) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
