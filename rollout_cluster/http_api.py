@@ -13,10 +13,12 @@ content given as a list of text parts; `logprobs` / `top_logprobs`; streaming (S
 OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`) with the
 status codes the SDKs map to exceptions (400, 401, 404, 413; 500 only for our bugs).
 
-Streaming sends the finished response cut into one chunk per token: the engine API
-returns whole responses (`generate`), so the stream starts when generation ends.
-Clients that need the format (agent SDKs, eval harnesses) work; time-to-first-token
-is the whole generation.
+Streaming is live on the embedded engine: the role chunk goes out at once and text as
+the engine generates it (`RolloutServer.generate(on_tokens=...)`, `_Live`), for one
+choice without logprobs; a chat reply that may hold tool calls (the request offers
+`tools`) is streamed once whole, since a call is only known at the end, and so are
+`n > 1`, logprobs, and engines that cannot hand out tokens early (vLLM here): there the
+finished response is cut into one chunk per token.
 
 Token continuity (`SessionTokens`, in `rollout_cluster.sessions`): an OpenAI-shaped agent
 sends the whole conversation back every turn; per session the server reuses the exact
@@ -33,6 +35,7 @@ required as `Authorization: Bearer <key>` on every path except `/health`.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -58,6 +61,7 @@ from rollout_cluster.openai_protocol import (
     completion_stream_chunks,
     content_ids,
     error_body,
+    live_chunk,
     model_card,
     normalize_messages,
     output_options,
@@ -325,10 +329,25 @@ class HttpServer:
             return (lambda ids: ""), str
         return (lambda ids: tok.decode(ids, skip_special_tokens=False)), (lambda t: tok.decode([t]))
 
-    async def _run(self, rid: str, ids: list[int], params: SamplingParams) -> list[GenerateResult]:
+    async def _run(self, rid: str, ids: list[int], params: SamplingParams,
+                   live: _Live | None = None) -> list[GenerateResult]:
+        if live is not None:
+            return [await live.run(self.server, rid, ids, params)]
         if params.n == 1:
             return [await self.server.generate(request_id=rid, prompt_ids=ids, sampling_params=params)]
         return await self.server.generate_n(request_id=rid, prompt_ids=ids, sampling_params=params)
+
+    def _live(self, request: web.Request, opts: OutputOptions, params: SamplingParams, rid: str,
+              *, chat: bool, parse_calls: bool = False) -> _Live | None:
+        """A reply streamed while it is generated, where the engine can (the embedded
+        engine), for one choice without logprobs and, in chat, without tool parsing (a
+        tool call is only known once the reply is whole): else None, and the stream
+        starts when generation ends."""
+        if not (opts.stream and params.n == 1 and not opts.logprobs and not opts.top_logprobs
+                and not parse_calls and getattr(self.server, "can_stream", False)):
+            return None
+        decode, _ = self._decoders()
+        return _Live(request, decode, chat, rid, self.server.model_name, opts.include_usage)
 
     async def _top(
         self, ids: list[int], results: list[GenerateResult], k: int, params: SamplingParams
@@ -345,11 +364,15 @@ class HttpServer:
             )
         return [await score(ids, r.token_ids, k, params.temperature) for r in results]
 
-    async def _stream(self, request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chunks: list[dict[str, Any]],
+                      live: _Live | None = None) -> web.StreamResponse:
         from aiohttp import web
 
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        if live is not None and live.resp is not None:  # the start went out already
+            resp = live.resp
+        else:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
         for c in chunks:
             await resp.write(sse_event(c))
         await resp.write(sse_event("[DONE]"))
@@ -377,7 +400,8 @@ class HttpServer:
                 param="prompt",
             )
         rid = uuid.uuid4().hex
-        results = await self._run(rid, ids, params)
+        live = self._live(request, opts, params, rid, chat=False)
+        results = await self._run(rid, ids, params, live)
         decode, decode_token = self._decoders()
         texts = [decode(r.token_ids) for r in results]
         tops = await self._top(ids, results, opts.top_logprobs, params)
@@ -387,11 +411,18 @@ class HttpServer:
         ]
         model = self.server.model_name
         if opts.stream:
-            pieces = [text_pieces(r.token_ids, decode) for r in results]
+            if live is not None:  # the rest of the text, then the finish chunk
+                rest = live.rest(texts[0])
+                pieces = [[rest] + [""] * (len(results[0].token_ids) - 1)]
+            else:
+                pieces = [text_pieces(r.token_ids, decode) for r in results]
             chunks = completion_stream_chunks(
-                rid, model, ids, results, pieces, lps, include_usage=opts.include_usage
+                rid, model, ids, results, pieces, lps, include_usage=opts.include_usage, created=live and live.created
             )
-            return await self._stream(request, chunks)
+            if live is not None:
+                chunks = [c for c in chunks if not c["choices"] or c["choices"][0]["text"]
+                          or c["choices"][0]["finish_reason"] is not None]
+            return await self._stream(request, chunks, live)
         return web.json_response(completion_response(rid, model, ids, results, texts, lps))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -426,7 +457,8 @@ class HttpServer:
 
         ids = self.server.sessions.prompt_ids(session_id, messages, render, encode)
         rid = uuid.uuid4().hex
-        results = await self._run(rid, ids, params)
+        live = self._live(request, opts, params, rid, chat=True, parse_calls=parse_calls)
+        results = await self._run(rid, ids, params, live)
         stop_ids = set(params.stop_token_ids)
         if tok.eos_token_id is not None:
             stop_ids.add(tok.eos_token_id)
@@ -449,11 +481,17 @@ class HttpServer:
             pieces = []
             for r in results:
                 kept = content_ids(r, stop_ids)
-                pieces.append(text_pieces(kept, decode) + [""] * (len(r.token_ids) - len(kept)))
+                if live is not None:  # the rest of the content, then the finish chunk
+                    pieces.append([live.rest(contents[0])] + [""] * (len(r.token_ids) - 1))
+                else:
+                    pieces.append(text_pieces(kept, decode) + [""] * (len(r.token_ids) - len(kept)))
             chunks = chat_stream_chunks(
-                rid, model, ids, results, turns, pieces, lps, include_usage=opts.include_usage
+                rid, model, ids, results, turns, pieces, lps, include_usage=opts.include_usage,
+                created=live and live.created,
             )
-            return await self._stream(request, chunks)
+            if live is not None:
+                chunks = chunks[1:]  # the role chunk went out first
+            return await self._stream(request, chunks, live)
         return web.json_response(chat_response(rid, model, ids, results, turns, lps))
 
     def _remember(
@@ -538,3 +576,57 @@ def _depth(value: Any) -> int:
         elif isinstance(v, list):
             stack.extend((x, d + 1) for x in v)
     return deepest
+
+
+class _Live:
+    """One reply streamed while it is generated: the role chunk at once, then each new
+    piece of text as the engine hands out tokens (`on_tokens`). The newest token is held
+    back until the next one comes (it may be the stop token, which is not content) and a
+    piece that ends inside a multi-byte character waits for the rest of it; `rest()`
+    gives what is left once the reply is whole."""
+
+    def __init__(self, request: web.Request, decode: Callable[[list[int]], str], chat: bool, rid: str,
+                 model: str, include_usage: bool) -> None:
+        self.request, self.decode, self.chat = request, decode, chat
+        self.rid, self.model, self.include_usage = rid, model, include_usage
+        self.created = int(time.time())
+        self.resp: Any = None
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def _chunk(self, piece: str | None) -> bytes:
+        return sse_event(live_chunk(self.chat, self.rid, self.model, self.created, self.include_usage, piece))
+
+    async def run(self, server: Any, rid: str, ids: list[int], params: SamplingParams) -> GenerateResult:
+        from aiohttp import web
+
+        queue: asyncio.Queue[list[int]] = asyncio.Queue()
+        task = asyncio.ensure_future(server.generate(request_id=rid, prompt_ids=ids, sampling_params=params,
+                                                     on_tokens=queue.put_nowait))
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(self.request)
+            self.resp = resp
+            if self.chat:
+                await resp.write(self._chunk(None))
+            while not (task.done() and queue.empty()):
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    continue
+                self.tokens += getter.result()
+                text = self.decode(self.tokens[:-1])
+                if len(text) > len(self.emitted) and text.startswith(self.emitted) and not text.endswith("\ufffd"):
+                    await resp.write(self._chunk(text[len(self.emitted):]))
+                    self.emitted = text
+            return task.result()
+        except BaseException:
+            task.cancel()  # the client went away: stop generating for it
+            raise
+
+    def rest(self, full: str) -> str:
+        if full.startswith(self.emitted):
+            return full[len(self.emitted):]
+        logger.warning("streamed text is not a prefix of the final text (decoding is not prefix-stable here)")
+        return ""

@@ -497,6 +497,19 @@ def _chunk_base(kind: str, request_id: str, model: str, created: int, include_us
     return base
 
 
+def live_chunk(chat: bool, request_id: str, model: str, created: int, include_usage: bool,
+               piece: str | None) -> dict[str, Any]:
+    """One chunk of a reply streamed while it is generated: the assistant role (`piece`
+    None, chat only) or a piece of text, in the shape `chat_stream_chunks` /
+    `completion_stream_chunks` use for the same position."""
+    if chat:
+        base = _chunk_base("chat.completion.chunk", f"chatcmpl-{request_id}", model, created, include_usage)
+        delta = {"role": "assistant", "content": ""} if piece is None else {"content": piece}
+        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+    base = _chunk_base("text_completion", f"cmpl-{request_id}", model, created, include_usage)
+    return {**base, "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": None}]}
+
+
 def chat_stream_chunks(
     request_id: str,
     model: str,

@@ -191,9 +191,23 @@ class RolloutServer:
         request_id: str,
         prompt_ids: list[int],
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        on_tokens: Any = None,
     ) -> GenerateResult:
-        """One response (token ids, behaviour logprobs, per-token versions, stop reason)."""
-        return await self.engine.submit(self.check_request(request_id, prompt_ids, sampling_params))
+        """One response (token ids, behaviour logprobs, per-token versions, stop reason).
+
+        `on_tokens(new_ids)`, when the engine can stream (the embedded engine), is called
+        as tokens are generated; otherwise not at all (the result is whole either way)."""
+        request = self.check_request(request_id, prompt_ids, sampling_params)
+        if on_tokens is not None and self.can_stream:
+            return await self.engine.submit(request, on_tokens=on_tokens)
+        return await self.engine.submit(request)
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether the engine hands out tokens as they are generated (`on_tokens`)."""
+        import inspect
+
+        return "on_tokens" in inspect.signature(self.engine.submit).parameters
 
     async def generate_n(
         self,

@@ -89,6 +89,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
         self._waiters: dict[str, _Future] = {}
+        self._watchers: dict[str, list[Any]] = {}
+        """request id -> [caller's loop, on_tokens, tokens handed so far] (streaming)."""
         self._snapshot: dict[str, float] = engine.metrics()
         self._updating = False
         self._paused = False
@@ -106,9 +108,14 @@ class AsyncEngine:
     def interrupt_mode(self) -> str:
         return self.engine.interrupt_mode
 
-    async def submit(self, request: EngineRequest) -> GenerateResult:
+    async def submit(self, request: EngineRequest,
+                     on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
         """Generate one response for a validated request; returns once, even across
-        weight updates. Raises `DuplicateRequestError` if its id is in flight."""
+        weight updates. Raises `DuplicateRequestError` if its id is in flight.
+
+        `on_tokens(new_ids)` (optional) is called on the caller's loop after each engine
+        step with the tokens generated since the last call (for streaming); the returned
+        result is still the whole response."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         rid = request.request_id
@@ -118,6 +125,8 @@ class AsyncEngine:
             if rid in self._waiters:
                 raise DuplicateRequestError(f"request id {rid!r} is already in flight")
             self._waiters[rid] = (loop, fut)
+            if on_tokens is not None:
+                self._watchers[rid] = [loop, on_tokens, 0]
             self._commands.append(_Command(EngineCommand.ADD, request, None))
             self._cond.notify()
         try:
@@ -125,6 +134,9 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self._submit_nowait(EngineCommand.ABORT, [rid])
             raise
+        finally:
+            with self._cond:
+                self._watchers.pop(rid, None)
 
     async def generate(
         self,
@@ -247,7 +259,27 @@ class AsyncEngine:
                 self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                 continue
             self._snapshot = self.engine.metrics()
+            if self._watchers:
+                self._stream_tokens()
             self._deliver(outs)
+
+    def _stream_tokens(self) -> None:
+        """Hand each watched request the tokens it generated in this step (its sequence
+        keeps every sampled token across interrupts, so the count only grows)."""
+        running = {seq.request_id: seq for seq in getattr(getattr(self.engine, "scheduler", None), "running", ())}
+        with self._cond:
+            watched = list(self._watchers.items())
+        for rid, w in watched:
+            seq = running.get(rid)
+            if seq is None:
+                continue
+            out = seq.out_ids
+            if len(out) > w[2]:
+                new, w[2] = list(out[w[2]:]), len(out)
+                try:
+                    w[0].call_soon_threadsafe(w[1], new)
+                except RuntimeError:  # the caller's loop is gone
+                    pass
 
     def _handle(self, command: _Command) -> None:
         """Run one command on the engine thread and answer its reply future, if any."""

@@ -153,6 +153,46 @@ def test_http_api_round_trip(tiny_model_dir, tokenizer):
     asyncio.run(main())
 
 
+def test_streaming_sends_text_while_the_reply_is_generated(tiny_model_dir, tokenizer):
+    """`stream: true` on the embedded engine: the first text chunk arrives while the
+    request is still running in the engine (read from the server's own metrics at that
+    moment), and the streamed text is exactly the whole reply of the same seed."""
+    import json as _json
+
+    async def main():
+        server = make_server(tiny_model_dir)
+        url = await server.start_http("127.0.0.1", 0)
+        async with aiohttp.ClientSession() as http:
+            for path, body in (("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 120, "seed": 4}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 120, "seed": 4})):
+                async with http.post(url + path, json=body) as resp:
+                    whole = await resp.json()
+                text_of = (lambda c: c["text"]) if "completions" == path[4:] else (lambda c: c["message"]["content"])
+                want = text_of(whole["choices"][0])
+                got, running_at_first, events = "", None, 0
+                async with http.post(url + path, json={**body, "stream": True}) as resp:
+                    assert resp.headers["Content-Type"].startswith("text/event-stream")
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        choice = (_json.loads(line[6:])["choices"] or [{}])[0]
+                        piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                        if piece:
+                            events += 1
+                            if running_at_first is None:
+                                async with http.get(f"{url}/metrics?format=json") as m:
+                                    running_at_first = (await m.json())["running"]
+                            got += piece
+                assert got == want and len(whole["choices"][0]["token_ids"]) > 20, (path, got, want)
+                assert running_at_first == 1, f"{path}: the first piece came after generation ended"
+                assert events > 5, events
+        await server.close()
+
+    asyncio.run(main())
+
+
 def test_refused_http_start_stays_refused(tiny_model_dir):
     async def main():
         server = make_server(tiny_model_dir)
