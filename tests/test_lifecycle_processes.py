@@ -75,7 +75,7 @@ def test_rollout_restart_and_trainer_restart_mid_run_end_in_a_whole_audited_run(
               trainer, timeout=60)
         r2 = Launch(rollout_args, tmp_path / "rollout2.log", _env())
         launches.append(r2)
-        _poll("the new rollout side joining", lambda: trainer.output().count(" joined (trainer epoch 0)") >= 2,
+        _poll("the new rollout side joining", lambda: _run_log(run_dir).count(" joined (trainer epoch 0)") >= 2,
               trainer, timeout=120)
         at_join = max(_steps(run_dir), default=0)
         _poll("a checkpoint after the new rollout side joined",
@@ -104,3 +104,9 @@ def test_rollout_restart_and_trainer_restart_mid_run_end_in_a_whole_audited_run(
                            capture_output=True, text=True, env=_env(), timeout=600)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
     assert all(launch.left_behind() == [] for launch in launches)
+
+
+def _run_log(run_dir) -> str:  # noqa: ANN001
+    """The trainer's INFO lines are in the run's log file (the console shows progress)."""
+    p = run_dir / "run.log"
+    return p.read_text(errors="replace") if p.is_file() else ""

@@ -16,9 +16,36 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-__all__ = ["OWN_LOGGERS", "process_logging", "run_log_path"]
+__all__ = ["OWN_LOGGERS", "RunLogHandler", "process_logging", "run_log_path"]
 
 OWN_LOGGERS = ("areal_like", "rollout_cluster", "train_cluster", "weight_sync")
+
+
+class RunLogHandler(logging.FileHandler):
+    """The run's log file. A write that fails (a full disk) turns it off quietly instead of
+    printing a traceback per record or failing the run's own error handling: the run
+    reports the disk itself where it matters (checkpoints, records)."""
+
+    disabled = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        self.disabled = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.disabled:
+            super().emit(record)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            self.disabled = True
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:
+            self.disabled = True
 
 
 def run_log_path(run_dir: str | Path) -> Path:
@@ -37,7 +64,7 @@ def process_logging(tag: str, level: str | int, log_file: str | Path | None, con
     wrote_file = False
     if log_file is not None:
         try:
-            fh = logging.FileHandler(log_file, encoding="utf-8")
+            fh = RunLogHandler(log_file, encoding="utf-8")
         except OSError:
             pass
         else:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from areal_like.core.logs import OWN_LOGGERS, run_log_path
+from areal_like.core.logs import OWN_LOGGERS, RunLogHandler, run_log_path
 
 __all__ = ["Progress", "attach_run_log", "detach_run_log", "setup_console"]
 
@@ -59,7 +59,11 @@ def attach_run_log(run_dir: str | Path) -> Path:
     for h in root.handlers:
         if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve():
             return path
-    fh = logging.FileHandler(path, encoding="utf-8")
+    try:
+        fh = RunLogHandler(path, encoding="utf-8")
+    except OSError as e:  # a full or read-only disk: the run reports it where it matters
+        logging.getLogger(__name__).warning("cannot write %s (%s); log lines stay off the file", path, e)
+        return path
     fh.setLevel(logging.INFO)
     fh.setFormatter(logging.Formatter("%(asctime)s driver %(levelname)s %(name)s: %(message)s"))
     root.addHandler(fh)

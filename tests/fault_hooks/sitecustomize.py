@@ -11,9 +11,9 @@ installs an import hook that does nothing:
 - `AREAL_FAULT_KILL_TRAIN_AT=N` (+ `AREAL_FAULT_MARK_DIR`): the train worker kills
   itself with SIGKILL when it is asked for the step that starts at version N, once
   (a marker file in the mark folder says it happened and keeps it from repeating).
-- `AREAL_FAULT_KILL_ROLLOUT_AT=N` (+ `AREAL_FAULT_MARK_DIR`): the rollout process kills
-  itself with SIGKILL in the first generate call (an episode is under way) made to a
-  server that serves version ≥ N, once.
+- `AREAL_FAULT_KILL_ROLLOUT_AT=N` (+ `AREAL_FAULT_MARK_DIR`): the rollout controller's
+  process kills itself with SIGKILL when it starts an episode (others are under way)
+  while serving version ≥ N, once (a server actor's death is tests/test_scale_out.py's).
 - `AREAL_FAULT_WS_STALL_AT=N` + `AREAL_FAULT_WS_STALL_S=S` + `AREAL_FAULT_MARK_DIR`:
   the dist weight receiver, having joined the transfer of a version ≥ N, sleeps S
   seconds before taking the bytes (past `weight_sync.timeout_s`), once; the marker
@@ -147,19 +147,19 @@ def _patch_torch_engine(module: object) -> None:
 
 
 # ---- the rollout process killed mid-episode ----------------------------------------------
-def _patch_server(module: object) -> None:
+def _patch_rollout_controller(module: object) -> None:
     at = int(os.environ["AREAL_FAULT_KILL_ROLLOUT_AT"])
-    cls = module.RolloutServer  # type: ignore[attr-defined]
-    real = cls.generate
+    cls = module.RolloutController  # type: ignore[attr-defined]
+    real = cls._episode
 
-    async def generate(self, **kwargs):  # noqa: ANN003, ANN202
-        if self.version >= at and _mark("rollout_killed"):
+    async def _episode(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if self.loaded_version >= at and _mark("rollout_killed"):  # episodes are under way
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
-        return await real(self, **kwargs)
+        return await real(self, *args, **kwargs)
 
-    cls.generate = generate
+    cls._episode = _episode
 
 
 # ---- a weight-sync receiver stalled past the timeout -----------------------------------
@@ -190,7 +190,7 @@ if _ENOSPC_DIR:
 if os.environ.get("AREAL_FAULT_KILL_TRAIN_AT"):
     _PATCHES["train_cluster.torch_engine"] = _patch_torch_engine
 if os.environ.get("AREAL_FAULT_KILL_ROLLOUT_AT"):
-    _PATCHES["rollout_cluster.server"] = _patch_server
+    _PATCHES["areal_like.orchestration.rollout_controller"] = _patch_rollout_controller
 if os.environ.get("AREAL_FAULT_WS_STALL_AT"):
     _PATCHES["weight_sync.dist"] = _patch_dist
 
