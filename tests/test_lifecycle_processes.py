@@ -61,7 +61,8 @@ def test_rollout_restart_and_trainer_restart_mid_run_end_in_a_whole_audited_run(
     side joins; then the trainer is SIGKILLed and restarted with --resume while that
     rollout side keeps running: it re-bases on the new trainer epoch and the run ends."""
     run_dir = tmp_path / "run"
-    train_args, rollout_args = _split_args(tiny_model_dir, run_dir, "train.total_steps=8",
+    # 16 steps: room to kill the trainer before it ends on its own (8 raced on a fast run)
+    train_args, rollout_args = _split_args(tiny_model_dir, run_dir, "train.total_steps=16",
                                            "run.checkpoint_every_n_steps=2", "weight_sync.timeout_s=10")
     trainer = Launch(train_args, tmp_path / "train1.log", _env())
     r1 = Launch(rollout_args, tmp_path / "rollout1.log", _env())
@@ -97,7 +98,7 @@ def test_rollout_restart_and_trainer_restart_mid_run_end_in_a_whole_audited_run(
     s = _summary(run_dir)
     assert s["counts_add_up"] and s["ended"] == "finished", s
     steps = [r["step"] for r in _records(run_dir) if r["kind"] == "train_step" and not r["skipped"]]
-    assert steps == sorted(set(steps)) and max(steps) == 8, steps  # no version reused
+    assert steps == sorted(set(steps)) and max(steps) == 16, steps  # no version reused
     trajs = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     assert len({t["episode_id"] for t in trajs}) == len(trajs)  # trained at most once
     audit = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "audit", str(run_dir)], cwd=ROOT,
