@@ -4,6 +4,10 @@ One file on purpose, past the usual size: it is the whole boundary with vLLM (th
 request/result translation, the worker extension vLLM imports by this module's path, and
 the engine wrapper), so that a vLLM upgrade is read and changed in one place; the pure
 functions are tested on their own without vLLM (`tests/rollout/test_engine_vllm.py`).
+The worker extension now also holds each worker's end of the trainer's weight group
+(receive, then load only when every TP worker has the version): it must sit beside
+the pause/resume protocol it runs under, which is why it grew here (~1080 lines)
+rather than into a second module that both would have to keep in step.
 
 vLLM's `AsyncLLM` (v1) is already asynchronous, so this adapter implements the async
 surface directly instead of a `step()` loop. The interrupt protocol of docs/design.md
