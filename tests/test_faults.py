@@ -12,8 +12,10 @@ Two runs are shared by the tests:
   `--resume` finishes the run.
 - `split`: `areal-like train` and `areal-like rollout` as two processes whose ZMQ
   channels go through a small TCP proxy; (d) the proxy is frozen for a few seconds (the
-  link is down, nothing reaches either side) and (c) the weight receiver stalls past
-  `weight_sync.timeout_s` inside a transfer. The run goes on to its last step.
+  link is down, nothing reaches either side), (c) the weight receiver stalls past
+  `weight_sync.timeout_s` inside a transfer, and (f) the link swallows what is written
+  into it, then resets (TCP RST) and stays cut for 2 s. The run goes on to its last
+  step, nothing lost (the data channel resends what was not acknowledged).
 
 The faults are switched on by environment variables read by tests/fault_hooks/
 sitecustomize.py, which the launches put first on PYTHONPATH (every process of the run,
@@ -41,11 +43,13 @@ ROOT = Path(__file__).parent.parent
 CLI = [sys.executable, "-m", "areal_like.orchestration.cli"]
 HOOKS = Path(__file__).parent / "fault_hooks"
 TOTAL = 8
+SPLIT_TOTAL = 16
+"""The split run is longer: a stall, an outage and a reset come one after the other."""
 B = 2 * 4  # train.batch_size × rollout.group_size
 
 
-def _sets(model: Path, run_dir: Path, *extra: str) -> list[str]:
-    sets = [f"model.path={model}", f"run.dir={run_dir}", f"train.total_steps={TOTAL}", "train.batch_size=2",
+def _sets(model: Path, run_dir: Path, *extra: str, total: int = TOTAL) -> list[str]:
+    sets = [f"model.path={model}", f"run.dir={run_dir}", f"train.total_steps={total}", "train.batch_size=2",
             "rollout.group_size=4", "rollout.response_length=32", "staleness.filter_uniform_groups=false",
             "eval.num_samples=4", "run.record_weights=true", "run.record_trajectories=true",
             "run.checkpoint_every_n_steps=2", *extra]
@@ -147,16 +151,16 @@ def _audit(run_dir: Path) -> tuple[int, str]:
     return p.returncode, p.stdout + p.stderr
 
 
-def _check_finished_run(run_dir: Path) -> None:
+def _check_finished_run(run_dir: Path, total: int = TOTAL) -> None:
     """What every run that reached its last step must show."""
     recs = _records(run_dir)
     steps = [r["step"] for r in recs if r["kind"] == "train_step"]
-    assert steps == list(range(1, TOTAL + 1)), steps  # each step once: resumes cut back what came after
+    assert steps == list(range(1, total + 1)), steps  # each step once: resumes cut back what came after
     summaries = [r for r in recs if r["kind"] == "summary"]
     assert len(summaries) == 1 and recs[-1]["kind"] == "summary", [r["kind"] for r in recs[-3:]]
     s = summaries[0]
     assert s["counts_add_up"], s
-    assert s["trained"] == TOTAL * B, s
+    assert s["trained"] == total * B, s
     trajs = read_jsonl(run_dir / "trajectories.jsonl")
     assert len(trajs) == s["trained"]
     assert len({t["episode_id"] for t in trajs}) == len(trajs), "a sample was trained twice"
@@ -286,7 +290,7 @@ def split(tiny_model_dir, tmp_path_factory):
     timeout_s = 4.0
     stall_at = 2
     common = ["configs/quickstart.yaml", *_sets(tiny_model_dir, run_dir, f"weight_sync.store_addr=127.0.0.1:{store}",
-                                                 f"weight_sync.timeout_s={timeout_s}")]
+                                                 f"weight_sync.timeout_s={timeout_s}", total=SPLIT_TOTAL)]
     trainer = Launch(["train", *common, "--set", f"transport.data_addr=tcp://127.0.0.1:{data}",
                       "--set", f"transport.control_addr=tcp://127.0.0.1:{control}"], tmp / "train.log", _env())
     proxy_log = (tmp / "proxy.log").open("w")
@@ -311,6 +315,15 @@ def split(tiny_model_dir, tmp_path_factory):
         os.kill(proxy.pid, signal.SIGSTOP)
         time.sleep(5)  # the length of the outage (not a synchronisation)
         os.kill(proxy.pid, signal.SIGCONT)
+        # (f) the link dies with data in flight — the proxy takes the bytes from both sides
+        # and delivers nothing — then every connection gets a TCP RST and the link stays
+        # cut for 2 s: what the rollout side wrote into it must be resent after the reconnect
+        after_outage = max(_steps(run_dir), default=0)
+        _poll("a step after the outage", lambda: max(_steps(run_dir), default=0) > after_outage, trainer)
+        out["reset_at"] = max(_steps(run_dir), default=0)
+        os.kill(proxy.pid, signal.SIGUSR1)
+        time.sleep(3)  # the black hole's length (not a synchronisation)
+        os.kill(proxy.pid, signal.SIGUSR2)
         out["train"] = trainer.wait()
         out["rollout"] = rollout.wait(timeout=120)
         out["left"] = trainer.left_behind() + rollout.left_behind()
@@ -334,7 +347,23 @@ def test_link_outage_and_stalled_weight_receiver_the_run_goes_on(split) -> None:
     # both channels went through the proxy, so freezing it cut them
     assert f"connected {out['ports'][0]} ->" in out["proxy"] and f"connected {out['ports'][1]} ->" in out["proxy"], \
         out["proxy"]
-    _check_finished_run(run_dir)
+    _check_finished_run(run_dir, SPLIT_TOTAL)
+
+
+def test_frames_lost_in_a_connection_reset_are_resent_and_counted_once(split) -> None:
+    """The reset happened mid-run with data in flight (the proxy swallowed bytes of the data
+    channel); the rollout side resent what was not acknowledged, the trainer dropped what it
+    already had, and the counts add up (a lost frame would end the run with exit 3)."""
+    run_dir, out = split
+    assert out["reset_at"] < SPLIT_TOTAL
+    swallowed = [int(n) for n in re.findall(rf"reset \d+ connections of {out['ports'][0]}; swallowed (\d+) bytes",
+                                            out["proxy"])]
+    assert swallowed and swallowed[0] > 0, out["proxy"]
+    log_file = run_dir / "run.log"
+    rollout_out = out["rollout"][1] + (log_file.read_text(errors="replace") if log_file.is_file() else "")
+    assert re.search(r"data channel reconnected: resending [1-9]\d* unacknowledged frames", rollout_out), \
+        rollout_out[-4000:]
+    _check_finished_run(run_dir, SPLIT_TOTAL)
 
 
 def test_stalled_weight_receiver_keeps_serving_and_catches_up(split) -> None:

@@ -430,6 +430,12 @@ class TransportConfig(_Section):
     peer_timeout_s: float = Field(600.0, gt=0.0)
     """How long a side waits for a gone (or never seen) peer before it stops with an error:
     the trainer checkpoints first and says how to resume."""
+    resend_after_s: float = Field(10.0, gt=0.0)
+    """A data frame the trainer has not acknowledged this long, while it acknowledges
+    others, is sent again (after a reconnect, at once); duplicates are dropped by id."""
+    max_resends: int = Field(5, ge=0)
+    """Resends of one data frame (not counting those after a reconnect) before it is
+    given up with an error; the run's counts then do not add up (exit 3)."""
 
 
 class PoolConfig(_Section):

@@ -229,12 +229,18 @@ class Origin(_Strict):
     of an older trainer epoch, or of a second rollout controller. `started` is the
     sender's cumulative episode count in this epoch when it sent the frame: if the
     sender dies, the trainer still knows how many of its episodes never arrived.
+
+    `seq` numbers the sender's frames of one epoch from 1 (0: not numbered), set by the
+    data channel, which keeps each frame until the trainer acknowledges it; `low` says
+    that no frame below it will be sent again (acknowledged or given up), so the
+    trainer's acknowledgements never wait for it.
     """
 
     run_id: str
     epoch: int = Field(ge=0)
     sender: str
     seq: int = Field(0, ge=0)
+    low: int = Field(0, ge=0)
     started: int = Field(0, ge=0)
 
 
@@ -408,6 +414,10 @@ class VersionAnnouncement(_Strict):
     gate, counts and version on this announcement."""
     rollout_id: str | None = None
     """The rollout controller this trainer accepted in this epoch; any other is refused."""
+    acked: dict[str, list[int]] = Field(default_factory=dict)
+    """Sender → `[upto, *more]`: every data frame of this epoch up to seq `upto` has reached
+    the trainer, and so have those in `more`; the sender stops keeping them for a resend
+    (docs/design.md §10.7)."""
 
 
 class TensorMeta(_Strict):

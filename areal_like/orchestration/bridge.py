@@ -38,7 +38,8 @@ class TrainerLostError(RuntimeError):
 
 async def drive_rollout(controller: RolloutController, subscriber: ControlSubscriber,
                         peer_timeout_s: float | None = None, peer_dead_s: float | None = None,
-                        address: str = "the control address") -> None:
+                        address: str = "the control address", pusher: DataPusher | None = None,
+                        flush_s: float = 7.0) -> None:
     """Run the controller until the trainer says goodbye (or the task is cancelled).
 
     The trainer heartbeats every couple of seconds. Silence longer than `peer_dead_s`
@@ -46,6 +47,10 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
     and goes on if the trainer comes back (a restarted trainer re-bases it through a
     newer epoch). Silence longer than `peer_timeout_s` — or no trainer ever heard at
     `address` for that long — stops the controller and raises `TrainerLostError`.
+
+    With the data channel's `pusher`, the announcements' acknowledgements release its
+    frames, it resends what a reconnect may have lost, and a normal stop waits up to
+    `flush_s` for the last frames (the final report) to be acknowledged.
     """
     loop = asyncio.get_running_loop()
     stop = threading.Event()
@@ -59,6 +64,10 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
         while not stop.is_set():
             msg = subscriber.recv(0.2)
             now = time.monotonic()
+            if pusher is not None:
+                if isinstance(msg, VersionAnnouncement) and msg.run_id == controller.run_id:
+                    pusher.ack(msg.epoch, msg.acked.get(controller.sender, []))
+                pusher.maintain()
             if isinstance(msg, VersionAnnouncement):
                 if gone:
                     log.warning("the trainer is back after %.0fs of silence", now - (last or now))
@@ -95,6 +104,10 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
     t.start()
     try:
         await controller.run()
+        if pusher is not None and not lost:
+            left = await asyncio.to_thread(pusher.flush, flush_s)
+            if left:
+                log.warning("%d data frames were not acknowledged by the trainer within %.0fs of stopping", left, flush_s)
     except Exception as e:
         if lost:
             raise TrainerLostError(lost[0]) from e

@@ -4,6 +4,18 @@
   blocks when the trainer's receive queue (`hwm` frames) is full, which is the
   back-pressure we want: the gate already bounds how much can be in flight, so a
   full queue only means the trainer is momentarily busy.
+  The channel is acknowledged (docs/design.md §10.7): the pusher numbers every frame
+  of a trainer epoch (`Origin.seq`, from 1) and keeps it until the trainer
+  acknowledges it; the puller takes frames off the socket in its own thread, drops
+  duplicates by (sender, epoch, seq) and acknowledges by receipt; the trainer
+  publishes the acknowledgements (`VersionAnnouncement.acked`: the highest seq
+  below which everything arrived, and what arrived past a gap) on the control
+  channel. A frame lost on a connection reset — written to a socket whose peer never
+  read it — is sent again as soon as ZMQ reconnects, and again after
+  `resend_after_s` without an acknowledgement while the trainer is heard; after
+  `max_resends` such tries it is given up, counted and logged. `Origin.low` tells the
+  puller below which seq nothing will come again, so a given-up frame never stalls
+  the acknowledgements.
 - control: trainer PUB → rollout SUB. Version announcements (with weight metadata).
   PUB/SUB drops messages sent before a subscriber connects ("slow joiner"), so the
   trainer re-publishes its latest announcement periodically; announcements carry
@@ -21,7 +33,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import queue
 import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -30,6 +45,11 @@ from pydantic import BaseModel
 from areal_like.core.wire import WireError, decode, encode
 
 __all__ = ["DataPusher", "DataPuller", "ControlPublisher", "ControlSubscriber", "ChannelError"]
+
+_MAX_SENDERS = 16
+"""Acknowledgement state kept for at most this many (sender, epoch) pairs (newest first)."""
+_MAX_SELECTIVE = 1024
+"""Seqs received past a gap that one acknowledgement lists at most."""
 
 log = logging.getLogger(__name__)
 
@@ -101,41 +121,282 @@ def _bind(sock: zmq.Socket, addr: str, secret: str | None) -> str:
     return addr
 
 
-class DataPuller(_Channel):
-    """Trainer side of the data channel (binds)."""
+@dataclass
+class _Mark:
+    upto: int = 0
+    """Every seq up to this one has arrived (or will never come again)."""
+    above: set[int] = field(default_factory=set)
+    """Seqs above `upto` that arrived out of order (a lost frame in between)."""
 
-    def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000) -> None:
+    def first_time(self, seq: int, low: int) -> bool:
+        if low - 1 > self.upto:  # the sender will never send anything below `low` again
+            self.upto = low - 1
+            self.above = {s for s in self.above if s > self.upto}
+        if seq <= self.upto or seq in self.above:
+            return False
+        self.above.add(seq)
+        while self.upto + 1 in self.above:
+            self.upto += 1
+            self.above.discard(self.upto)
+        return True
+
+
+def _keepalive(sock: zmq.Socket, heartbeat_s: float | None, dead_s: float | None) -> None:
+    """ZMTP heartbeats: a connection whose peer stopped answering (a black-holed link, a
+    half-open TCP connection) is closed and reconnected instead of swallowing frames."""
+    if heartbeat_s:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int((dead_s or 5 * heartbeat_s) * 1000))
+
+
+class DataPuller(_Channel):
+    """Trainer side of the data channel (binds).
+
+    A receiver thread takes every frame off the socket as it arrives, also while the
+    trainer is busy in a step: it refuses bad frames (counted), drops duplicates
+    (`duplicates`) and records receipt for `acks`. `recv` hands out what it took, in
+    order. `epoch` is the trainer's epoch: only frames of it are acknowledged.
+    """
+
+    def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000,
+                 epoch: int = 0, heartbeat_s: float | None = None, dead_s: float | None = None,
+                 queue_max: int = 10_000) -> None:
         super().__init__(secret, max_bytes)
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 64)
+        _keepalive(self.sock, heartbeat_s, dead_s)
         self.addr = _bind(self.sock, addr, secret)
+        self.epoch = epoch
+        self.duplicates = 0
+        self._marks: dict[tuple[str, int], _Mark] = {}
+        self._marks_lock = threading.Lock()
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_max)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="data-pull", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while not self._closing.is_set():
+            try:
+                if not self.sock.poll(100):
+                    continue
+                frames = self.sock.recv_multipart()
+            except zmq.ZMQError as e:
+                if not self._closing.is_set():
+                    log.warning("data channel receive failed: %s", e)
+                    time.sleep(0.1)
+                continue
+            msg = self._parse(frames)
+            if msg is None or not self._first_time(msg):
+                continue
+            while not self._closing.is_set():  # a full queue back-pressures the sender
+                try:
+                    self._q.put(msg, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+
+    def _first_time(self, msg: Any) -> bool:
+        o = getattr(msg, "origin", None)
+        if o is None or not o.seq:
+            return True  # not numbered: nothing to deduplicate or acknowledge
+        key = (o.sender, o.epoch)
+        with self._marks_lock:
+            mark = self._marks.pop(key, None) or _Mark()
+            self._marks[key] = mark  # most recent last
+            while len(self._marks) > _MAX_SENDERS:
+                self._marks.pop(next(iter(self._marks)))
+            fresh = mark.first_time(o.seq, o.low)
+        if not fresh:
+            self.duplicates += 1
+            log.debug("dropped a duplicate frame %s/e%d/#%d", o.sender, o.epoch, o.seq)
+        return fresh
+
+    def acks(self) -> dict[str, list[int]]:
+        """Sender → `[upto, *more]`: every seq up to `upto` has arrived, and so have the
+        seqs in `more` (received past a gap), for frames of this trainer epoch."""
+        with self._marks_lock:
+            return {sender: [m.upto, *sorted(m.above)[:_MAX_SELECTIVE]]
+                    for (sender, epoch), m in self._marks.items() if epoch == self.epoch}
+
+    def recv(self, timeout_s: float) -> Any | None:
+        """The next message taken off the socket, or None after `timeout_s`."""
+        try:
+            return self._q.get(timeout=timeout_s) if timeout_s > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=2.0)
+        self.sock.close(0)
+
+
+@dataclass
+class _Unacked:
+    seq: int
+    frames: list[bytes]
+    sent_at: float
+    tries: int = 0
+    timer_tries: int = 0
 
 
 class DataPusher(_Channel):
-    """Rollout side of the data channel (connects)."""
+    """Rollout side of the data channel (connects).
 
-    def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000) -> None:
+    Numbers every frame that carries an `Origin` and keeps it until `ack` says the
+    trainer has it. `maintain` (called often, from any thread) resends what is
+    unacknowledged when ZMQ has reconnected, and what has waited `resend_after_s`
+    while acknowledgements still come; `flush` waits for everything to be acknowledged.
+    """
+
+    def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000,
+                 heartbeat_s: float | None = None, dead_s: float | None = None,
+                 resend_after_s: float = 10.0, max_resends: int = 5) -> None:
         super().__init__(secret, max_bytes)
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 5000)
+        _keepalive(self.sock, heartbeat_s, dead_s)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(addr)
+        self.addr = addr
         self._lock = threading.Lock()
+        """Guards the socket (and the monitor socket)."""
+        self._box_lock = threading.Lock()
+        """Guards the outbox and the counters."""
+        self._outbox: dict[int, dict[int, _Unacked]] = {}
+        """epoch → seq → a frame not acknowledged yet."""
+        self._next: dict[int, int] = {}
+        self._acked_at = 0.0
+        self._connected_once = False
+        self._down = False
+        self.resend_after_s = resend_after_s
+        self.max_resends = max_resends
+        self.resent = 0
+        self.given_up = 0
+        self.reconnects = 0
+
+    @property
+    def unacked(self) -> int:
+        with self._box_lock:
+            return sum(len(b) for b in self._outbox.values())
 
     def send(self, msg: BaseModel, timeout_s: float = 60.0) -> None:
         """Send one message; raises TimeoutError if the trainer side does not take it."""
-        frames = self._frames(msg)
         with self._lock:
             if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
                 raise TimeoutError(f"data channel: trainer did not accept a frame within {timeout_s}s")
+            origin = getattr(msg, "origin", None)
+            if origin is None:
+                self.sock.send_multipart(self._frames(msg))
+                return
+            with self._box_lock:
+                box = self._outbox.setdefault(origin.epoch, {})
+                seq = self._next.get(origin.epoch, 0) + 1
+                self._next[origin.epoch] = seq
+                low = min(box, default=seq)
+                msg.origin = origin.model_copy(update={"seq": seq, "low": low})  # type: ignore[attr-defined]
+                frames = self._frames(msg)
+                if len(frames[-1]) > self.max_bytes:  # the trainer would drop the connection over it
+                    raise ChannelError(f"a {type(msg).__name__} frame of {len(frames[-1]) >> 20} MiB is over "
+                                       f"transport.max_frame_mb ({self.max_bytes >> 20} MiB)")
+                box[seq] = _Unacked(seq, frames, time.monotonic())
             self.sock.send_multipart(frames)
 
+    def ack(self, epoch: int, acked: list[int]) -> None:
+        """The trainer of `epoch` has every frame of this sender up to `acked[0]` and those
+        in `acked[1:]`; frames of older epochs will never be taken (a restarted trainer
+        refuses them)."""
+        upto, more = (acked[0], set(acked[1:])) if acked else (0, set())
+        with self._box_lock:
+            self._acked_at = time.monotonic()
+            for e in [e for e in self._outbox if e < epoch]:
+                del self._outbox[e]
+            box = self._outbox.get(epoch)
+            if box:
+                for s in [s for s in box if s <= upto or s in more]:
+                    del box[s]
+
+    def maintain(self) -> None:
+        """Resend after a reconnect, or what waited too long while the trainer acknowledges
+        other frames. Never blocks: skipped while a send holds the socket."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            reconnected = self._events()
+            now = time.monotonic()
+            with self._box_lock:
+                heard = now - self._acked_at < self.resend_after_s
+                due: list[_Unacked] = []
+                for box in self._outbox.values():
+                    for u in sorted(box.values(), key=lambda u: u.seq):
+                        timed_out = heard and now - u.sent_at > self.resend_after_s
+                        if not (reconnected or timed_out):
+                            continue
+                        # resent `max_resends` times although the trainer acknowledges others, or
+                        # (a frame that breaks the connection each time) 3 × that over reconnects
+                        if (timed_out and u.timer_tries >= self.max_resends) or u.tries >= 3 * self.max_resends:
+                            del box[u.seq]
+                            self.given_up += 1
+                            log.error("data frame #%d was never acknowledged after %d resends: given up "
+                                      "(the run's counts will not add up)", u.seq, u.tries)
+                            continue
+                        u.tries += 1
+                        u.timer_tries += int(timed_out and not reconnected)
+                        due.append(u)
+            if reconnected and due:
+                log.warning("data channel reconnected: resending %d unacknowledged frames", len(due))
+            for u in due:
+                try:
+                    self.sock.send_multipart(u.frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # the queue is full: the rest goes at the next call
+                u.sent_at = now
+                self.resent += 1
+        finally:
+            self._lock.release()
+
+    def _events(self) -> bool:
+        """Whether the link came back since the last call (a connect after a disconnect)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        back = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                if not self._down:
+                    log.warning("data channel: the connection to %s dropped; reconnecting", self.addr)
+                self._down = True
+            elif event == zmq.EVENT_CONNECTED:
+                if self._connected_once:
+                    self.reconnects += 1
+                    back = True
+                self._connected_once = True
+                self._down = False
+        return back
+
+    def flush(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for every frame to be acknowledged (resending as
+        needed); returns how many were not."""
+        deadline = time.monotonic() + timeout_s
+        while self.unacked and time.monotonic() < deadline:
+            self.maintain()
+            time.sleep(0.05)
+        return self.unacked
+
     def close(self) -> None:
-        self.sock.close()
+        with self._lock:
+            try:
+                self.sock.disable_monitor()  # libzmq would go on writing events nobody reads
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self.sock.close()
 
 
 class ControlPublisher(_Channel):

@@ -121,7 +121,6 @@ class RolloutController:
         self.run_id: str | None = None
         self.epoch = 0
         """The trainer epoch this side follows; frames are stamped with it."""
-        self._seq = 0
         self._awaiting_weights = False
         """After a trainer restart: admit nothing until its weights are loaded."""
         self._ignored_runs: set[str] = set()
@@ -347,9 +346,7 @@ class RolloutController:
         )
 
     def _stamp(self, msg: TrajectoryGroup | RolloutStats) -> TrajectoryGroup | RolloutStats:
-        self._seq += 1
-        msg.origin = Origin(run_id=self.run_id or "", epoch=self.epoch, sender=self.sender, seq=self._seq,
-                            started=self.started)
+        msg.origin = Origin(run_id=self.run_id or "", epoch=self.epoch, sender=self.sender, started=self.started)
         return msg
 
     async def _stats_loop(self) -> None:

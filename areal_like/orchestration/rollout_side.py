@@ -100,7 +100,9 @@ class RolloutSide:
         pusher = subscriber = None
         try:
             runner = await self._build_servers_and_runner()
-            pusher = DataPusher(self.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
+            t = cfg.transport
+            pusher = DataPusher(self.data_addr, t.secret, int(t.max_frame_mb * 2**20), heartbeat_s=t.heartbeat_s,
+                                dead_s=t.peer_dead_s, resend_after_s=t.resend_after_s, max_resends=t.max_resends)
             subscriber = ControlSubscriber(self.control_addr, cfg.transport.secret)
             sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                       top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.response_length)
@@ -127,7 +129,8 @@ class RolloutSide:
                 fail_fast=FailFast.from_config(cfg.agent),
             )
             await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
-                                address=self.control_addr)
+                                address=self.control_addr, pusher=pusher,
+                                flush_s=3 * cfg.transport.heartbeat_s + 1.0)
         finally:
             if getattr(self, "manager", None) is not None:
                 await self.manager.close()

@@ -144,6 +144,8 @@ class TrainerController:
         self.straggler_wait_s = 0.0
         """Waited since the last step for a straggler that would otherwise cross η."""
         self._arrived: set[str] = set()
+        self._report_seq: dict[str, int] = {}
+        """Sender → seq of the newest rollout report applied (a resent older one is ignored)."""
         self._straggler_since: dict[str, float] = {}
         self.skips_in_a_row = 0
         self.busy_s = 0.0
@@ -203,7 +205,7 @@ class TrainerController:
             ann = self._last_ann
             if ann is not None:
                 try:
-                    self.publisher.publish(ann.model_copy(update={"weights": None}))
+                    self.publisher.publish(ann.model_copy(update={"weights": None, "acked": self.puller.acks()}))
                 except Exception as e:  # the channel is closing: the schedule reports what matters
                     log.debug("heartbeat not sent: %s", e)
                     return
@@ -460,6 +462,7 @@ class TrainerController:
             run_id=self.peers.run_id,
             epoch=self.peers.epoch,
             rollout_id=self.peers.accepted,
+            acked=self.puller.acks(),
         )
         self._last_ann = ann
         self.publisher.publish(ann)
@@ -498,6 +501,13 @@ class TrainerController:
                 log.warning("held-out accuracy %.3f at v%d reached train.stop_at_eval_accuracy=%g: the run ends "
                             "after this step", msg.eval.accuracy, msg.loaded_version, target)
         else:
+            if msg.kind == "final":
+                self._announce(force=True)  # acknowledge it now: the rollout side waits for that to exit
+            seq = msg.origin.seq if msg.origin is not None else 0
+            if seq and seq < self._report_seq.get(msg.origin.sender, 0):  # type: ignore[union-attr]
+                return  # an older report, resent after a reconnect: the newer one stands
+            if seq:
+                self._report_seq[msg.origin.sender] = seq  # type: ignore[union-attr]
             self.rollout = msg
             self._rollout_at = time.time()
             running = set(msg.running_groups)  # what this report still lists may yet arrive
@@ -537,7 +547,8 @@ class TrainerController:
             log.error("outcome counts do not add up: %s", summary)
         servers = {n: srv.model_dump() for n, srv in self.rollout.counters.per_server.items()} if self.rollout else {}
         self.mlog.write("summary", self.trainer.version, counts_add_up=ok, ended=reason, **summary,
-                        refused_frames=dict(self.peers.refused), servers=servers,
+                        refused_frames=dict(self.peers.refused), duplicate_frames=self.puller.duplicates,
+                        servers=servers,
                         target_reached=list(self.target_reached) if self.target_reached else None,
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary

@@ -48,7 +48,9 @@ class TrainerSide:
                                    run_name=Path(cfg.run.dir).name)
         self.dashboard_url = self.dashboard.start()
         log.info("dashboard: %s", self.dashboard_url)
-        self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20))
+        self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20),
+                                 epoch=self.epoch, heartbeat_s=cfg.transport.heartbeat_s,
+                                 dead_s=cfg.transport.peer_dead_s)
         self.publisher = ControlPublisher(cfg.transport.control_addr, cfg.transport.secret)
         self.sender: Any = None
         """Rank 0's weight sender (made with the workers in `run`)."""
