@@ -4,12 +4,14 @@ trained. For each fault the run either goes on, or stops with a clear message an
 checkpoint that `--resume` continues from; the outcome counts add up, the audit passes,
 and no process of the run is left behind.
 
-Two runs are shared by the tests:
+Two runs are shared by the tests, one stands alone:
 
 - `chain`: one run folder taken through three stopping faults, each launch resuming the
   previous one: (e) the disk fills up (ENOSPC, emulated), (b) a train worker is killed
   mid-step, (a) the rollout process is killed with SIGKILL mid-episode; then a last
   `--resume` finishes the run.
+- the final export: the disk fills up exactly when the finished run writes `final/`;
+  `--resume` writes it from the final checkpoint.
 - `split`: `areal-like train` and `areal-like rollout` as two processes whose ZMQ
   channels go through a small TCP proxy; (d) the proxy is frozen for a few seconds (the
   link is down, nothing reaches either side), (c) the weight receiver stalls past
@@ -231,6 +233,36 @@ def test_full_disk_stops_with_a_clear_message_and_resumes(chain) -> None:
     assert not _driver_traceback(e["out"]), "a clear message, not a traceback"
     assert e["ckpt"] is not None and e["ckpt"] >= 2 and f"v{e['ckpt']:06d}" in err
     assert e["left"] == [], e["left"]
+
+
+def test_full_disk_during_the_final_export_then_resume_writes_it(tiny_model_dir, tmp_path) -> None:
+    """The disk fills up exactly when the run writes final/: the run says so in one line
+    (exit 1), leaves no half folder, its records are whole (summary, final checkpoint),
+    and `--resume` with space freed writes final/ from the final checkpoint."""
+    run_dir = tmp_path / "run"
+    flag = tmp_path / "disk_full"
+    flag.write_text("full\n")
+    args = ["run", "configs/quickstart.yaml", *_sets(tiny_model_dir, run_dir, "run.checkpoint_every_n_steps=3")]
+    launch = Launch(args, tmp_path / "export.log",
+                    _env(AREAL_FAULT_ENOSPC_DIR=str(run_dir / "final.tmp"), AREAL_FAULT_ENOSPC_FLAG=str(flag)))
+    rc, text = launch.wait()
+    assert rc == 1, text[-4000:]
+    err = _error_line(text)
+    assert "no space left on device writing the final model" in err and "--resume" in err, text[-4000:]
+    assert not _driver_traceback(text), "a clear message, not a traceback"
+    assert launch.left_behind() == []
+    assert not (run_dir / "final").exists() and not (run_dir / "final.tmp").exists()
+    assert _latest_checkpoint(run_dir) == TOTAL  # saved before the summary, although 8 is no multiple of 3
+    flag.unlink()
+    launch = Launch([*args[:2], "--resume", *args[2:]], tmp_path / "resume.log", _env())
+    rc, text = launch.wait()
+    assert rc == 0 and f"is now written to {run_dir / 'final'} from checkpoint v{TOTAL}" in text, text[-4000:]
+    from safetensors.torch import load_file
+
+    final = load_file(str(run_dir / "final" / "model.safetensors"))
+    ckpt = load_file(str(run_dir / "checkpoints" / f"v{TOTAL:06d}" / "trainer" / "model.safetensors"))
+    assert final.keys() == ckpt.keys() and all((final[k] == ckpt[k]).all() for k in final)
+    _check_finished_run(run_dir)
 
 
 def test_killed_train_worker_stops_with_a_clear_message_and_resumes(chain) -> None:

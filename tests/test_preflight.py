@@ -4,6 +4,7 @@ refused in one line, without a traceback, and leaves nothing that blocks a retry
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +37,8 @@ def _finished_run(run: Path, version: int) -> None:
     RunDir.mark_complete(ckpt, {"version": version, "time": 0.0})
     (run / "config.yaml").write_text("{}\n")
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "summary", "trainer_version": version}) + "\n")
+    (run / "final").mkdir()
+    (run / "final" / "model.safetensors").write_bytes(b"exported")
 
 
 def test_port_in_use_is_one_line_before_anything_starts(tmp_path) -> None:
@@ -72,6 +75,31 @@ def test_resume_on_a_finished_run_says_so_and_changes_nothing(tmp_path) -> None:
     with pytest.raises(ConfigError):  # (gets past the finished check; stops at the missing model path)
         preflight(_cfg(tmp_path, "train.total_steps=200", "model.path=/nonexistent"), "train", resume=True)
     RunDir(run).check(resume=True, total_steps=200)
+
+
+def test_resume_on_a_finished_run_whose_export_failed_writes_the_final_model(tmp_path) -> None:
+    """A full disk during the final export leaves a finished run without final/ (the
+    trainer saved a final checkpoint first): `--resume` writes final/ from it and says so."""
+    run = tmp_path / "run"
+    _finished_run(run, 100)
+    shutil.rmtree(run / "final")
+    (run / "final.tmp").mkdir()  # what a failed export could leave
+    (run / "final.tmp" / "config.json").write_text("{")
+    trainer = run / "checkpoints" / "v000100" / "trainer"
+    trainer.mkdir()
+    (trainer / "model.safetensors").write_bytes(b"weights of v100")
+    rc, out, _ = _cli("train", "configs/quickstart.yaml", "--resume", "--set", f"run.dir={run}",
+                      "--set", "train.total_steps=100")
+    assert rc == 0, out
+    assert "already finished at v100; its final model was missing (the export had failed) and is now written to" \
+        in out, out
+    assert (run / "final" / "model.safetensors").read_bytes() == b"weights of v100"
+    assert json.loads((run / "final" / "config.json").read_text())  # the model's side files came along
+    assert not (run / "final.tmp").exists()
+    # once written, a resume says there is nothing to do and changes nothing
+    rc, out, _ = _cli("train", "configs/quickstart.yaml", "--resume", "--set", f"run.dir={run}",
+                      "--set", "train.total_steps=100")
+    assert rc == 0 and "nothing to resume" in out, out
 
 
 def test_a_failed_start_does_not_block_the_retry(tmp_path) -> None:

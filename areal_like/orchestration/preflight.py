@@ -166,7 +166,7 @@ def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *
     """Every check that needs nothing started: raises `ConfigError`, `RunDirError` or
     `RunFinished` (a `--resume` with nothing left to do) with one clear line."""
     from areal_like.orchestration.paths import check_metrics_backends, check_user_code, resolve_paths
-    from areal_like.orchestration.run_dir import RunDir
+    from areal_like.orchestration.run_dir import RunDir, RunDirError, RunFinished
 
     resolve_paths(cfg)  # every relative path absolute, once, before anything starts (§10.12)
     if role != "train":
@@ -184,4 +184,23 @@ def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *
     else:
         check_train_device(cfg)
     check_listeners(cfg)
-    RunDir(cfg.run.dir).check(resume=resume, overwrite=overwrite, total_steps=cfg.train.total_steps)
+    run_dir = RunDir(cfg.run.dir)
+    try:
+        run_dir.check(resume=resume, overwrite=overwrite, total_steps=cfg.train.total_steps)
+    except RunFinished as e:
+        if run_dir.has_final():
+            raise
+        # the run finished but its export did not (a full disk): write final/ from the
+        # final checkpoint, which the trainer saves before the summary
+        from areal_like.orchestration.paths import resolve_model_path
+        from areal_like.orchestration.run_dir import export_final_from_checkpoint
+
+        try:
+            done = export_final_from_checkpoint(run_dir, resolve_model_path(cfg))
+        except OSError as err:
+            raise RunDirError(f"{e}; its final model is missing and writing it from the last checkpoint failed: "
+                              f"{err}") from None
+        if done is None:
+            raise RunFinished(f"{e} (its final model is missing, and the last checkpoint holds no model file)") from None
+        raise RunFinished(f"the run in {run_dir.path} already finished at v{done[1]}; its final model was missing "
+                          f"(the export had failed) and is now written to {done[0]} from checkpoint v{done[1]}") from None

@@ -25,7 +25,7 @@ from typing import Any
 from areal_like.core.config import ExperimentConfig, dump_config
 from areal_like.core.types import TrajectoryGroup
 
-__all__ = ["RunDir", "RunDirError", "RunFinished", "write_atomic", "fsync_tree"]
+__all__ = ["RunDir", "RunDirError", "RunFinished", "write_atomic", "fsync_tree", "export_final_from_checkpoint"]
 
 _MODEL_SIDE_FILES = (
     "config.json",
@@ -117,6 +117,10 @@ class RunDir:
                               f"(train.total_steps={total_steps}); nothing to resume. Raise train.total_steps "
                               "to train further.")
         return exists
+
+    def has_final(self) -> bool:
+        """`final/` holds the exported model (it is renamed into place only whole)."""
+        return (self.final / "model.safetensors").is_file()
 
     def finished_at(self, total_steps: int) -> int | None:
         """The version a finished run ended at, if its summary is written and it reached
@@ -241,17 +245,42 @@ def save_hf_folder(out: Path, state: dict[str, Any], model_path: str | Path) -> 
     """An HF folder from a state dict plus the config/tokenizer files of `model_path`."""
     from safetensors.torch import save_file
 
+    def weights(tmp: Path) -> None:
+        # clone: tied weights share storage, which safetensors refuses to save
+        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return _write_hf_folder(out, model_path, weights)
+
+
+def _write_hf_folder(out: Path, model_path: str | Path, write_weights: Any) -> Path:
+    """Written next to `out`, synced, then renamed: `out` exists only whole. A failed
+    write (a full disk) leaves no half folder behind."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    src = Path(model_path)
-    for name in _MODEL_SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, tmp / name)
-    # clone: tied weights share storage, which safetensors refuses to save
-    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    fsync_tree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        src = Path(model_path)
+        for name in _MODEL_SIDE_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        write_weights(tmp)
+        fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def export_final_from_checkpoint(run_dir: RunDir, model_path: str | Path) -> tuple[Path, int] | None:
+    """Write `final/` from the last complete checkpoint (what a finished run whose export
+    failed — a full disk — still has); None if that checkpoint holds no model file."""
+    ckpt = run_dir.latest_checkpoint()
+    weights = ckpt / "trainer" / "model.safetensors" if ckpt is not None else None
+    if weights is None or not weights.is_file():
+        return None
+    version = int(json.loads((ckpt / "orchestrator.json").read_text())["version"])  # type: ignore[operator]
+    out = _write_hf_folder(run_dir.final, model_path, lambda tmp: shutil.copy2(weights, tmp / "model.safetensors"))
+    return out, version

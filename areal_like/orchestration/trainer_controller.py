@@ -269,6 +269,8 @@ class TrainerController:
                 if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
                     self.checkpoint()
             t_wait = time.time()
+        if not (self.run_dir.checkpoint_dir(self.trainer.version) / "COMPLETE").is_file():
+            self.checkpoint()  # the final weights on disk before the summary: an export that fails can be redone
         return self._finish(reason="target_reached" if self.target_reached is not None else "finished")
 
     def _stragglers(self, v: int) -> list[str]:

@@ -90,9 +90,23 @@ class TrainerSide:
         return summary
 
     def export_final(self, trainer: Any) -> None:
-        from areal_like.orchestration.run_dir import save_hf_folder
+        """`final/`, an HF folder, written whole or not at all. A full disk here leaves the
+        run finished (summary and final checkpoint written): `--resume` then writes
+        `final/` from that checkpoint."""
+        import errno
 
-        save_hf_folder(self.run_dir.final, dict(trainer.named_weights()), self.model_path)
+        from areal_like.orchestration.run_dir import save_hf_folder
+        from areal_like.orchestration.trainer_controller import RunAborted
+
+        try:
+            save_hf_folder(self.run_dir.final, dict(trainer.named_weights()), self.model_path)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise RunAborted(f"no space left on device writing the final model to {self.run_dir.final}: training "
+                             f"finished at v{trainer.version} (summary and final checkpoint written). Free some "
+                             f"space, then run the same command with --resume: it writes {self.run_dir.final.name}/ "
+                             "from the final checkpoint") from e
         log.info("final model exported to %s", self.run_dir.final)
 
     def close(self) -> None:
