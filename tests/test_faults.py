@@ -7,7 +7,7 @@ and no process of the run is left behind.
 Two runs are shared by the tests, one stands alone:
 
 - `chain`: one run folder taken through three stopping faults, each launch resuming the
-  previous one: (e) the disk fills up (ENOSPC, emulated), (b) a train worker is killed
+  previous one: (e) the disk fills up (ENOSPC, emulated) while a checkpoint is written, (b) a train worker is killed
   mid-step, (a) the rollout process is killed with SIGKILL mid-episode; then a last
   `--resume` finishes the run.
 - the final export: the disk fills up exactly when the finished run writes `final/`;
@@ -182,10 +182,11 @@ def chain(tiny_model_dir, tmp_path_factory):
     marks.mkdir()
     out: dict[str, dict] = {}
 
-    # (e) the disk fills up after step 3: every write under run.dir fails with ENOSPC
+    # (e) the disk fills up after step 3, and the next checkpoint (v4) is what hits it:
+    # every write under run.dir/checkpoints fails with ENOSPC
     flag = tmp / "disk_full"
     launch = Launch(["run", "configs/quickstart.yaml", *_sets(tiny_model_dir, run_dir)], tmp / "enospc.log",
-                    _env(AREAL_FAULT_ENOSPC_DIR=str(run_dir), AREAL_FAULT_ENOSPC_FLAG=str(flag)))
+                    _env(AREAL_FAULT_ENOSPC_DIR=str(run_dir / "checkpoints"), AREAL_FAULT_ENOSPC_FLAG=str(flag)))
     _poll("step 3", lambda: max(_steps(run_dir), default=0) >= 3, launch)
     flag.write_text("full\n")
     rc, text = launch.wait()
@@ -230,6 +231,7 @@ def test_full_disk_stops_with_a_clear_message_and_resumes(chain) -> None:
     assert e["rc"] == 1, e["out"][-4000:]
     err = _error_line(e["out"])
     assert "no space left on device" in err and "--resume" in err, e["out"][-4000:]
+    assert "checkpoints" in err, err  # it names what it was writing: the checkpoint
     assert not _driver_traceback(e["out"]), "a clear message, not a traceback"
     assert e["ckpt"] is not None and e["ckpt"] >= 2 and f"v{e['ckpt']:06d}" in err
     assert e["left"] == [], e["left"]
