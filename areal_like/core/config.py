@@ -133,8 +133,9 @@ class DatasetConfig(_Section):
     """Split to read when `hf`/`hf_disk` data has several (a `DatasetDict`)."""
     task: Literal["arithmetic"] = "arithmetic"
     """Built-in task for `type: generated`."""
-    form: Literal["tool", "single_turn"] = "tool"
-    """Task form: with the calculator tool, or answer directly."""
+    form: Literal["tool", "single_turn", "long_answer"] = "tool"
+    """Task form: with the calculator tool, answer directly, or the tool form with long
+    answers (the `long_answer` loop: extra trained tokens after each answer)."""
     num_train: int = Field(20000, ge=1)
     """Number of generated training problems."""
     num_eval: int = Field(256, ge=1)
@@ -260,6 +261,9 @@ class AgentConfig(_Section):
     """Tools offered to the tool agent loop."""
     tools_file: str | None = None
     """Optional YAML file listing more tools (class + config)."""
+    long_answer_tokens: int = Field(64, ge=0)
+    """Scale of the extra trained tokens the `long_answer` loop samples after each answer
+    (× a Pareto(1.5) draw per episode, mean 3 × this, within the response budget)."""
     reward: str = "arithmetic"
     """Reward function: built-in name or user code `file.py:fn` / `pkg.mod:fn`."""
     reward_timeout_s: float = Field(10.0, gt=0.0)

@@ -105,7 +105,7 @@ def make_problem(rng: random.Random, form: str = "tool") -> dict[str, Any]:
     return {
         "prompt": [{"role": "user", "content": f"{a}{op}{b}"}],
         "answer": str(answer),
-        "agent_name": "tool_agent" if form == "tool" else "single_turn",
+        "agent_name": {"tool": "tool_agent", "long_answer": "long_answer"}.get(form, "single_turn"),
         "data_source": "arithmetic",
         "extra": {"expression": f"{a}{op}{b}"},
     }

@@ -1,11 +1,13 @@
 """Agent loops: one async function per episode, chosen per dataset row by `agent_name`.
 
-Importing this package registers the built-in loops `single_turn` and `tool_agent`.
+Importing this package registers the built-in loops `single_turn`, `tool_agent` and
+`long_answer`.
 The controller needs only `AgentRunner` (see `runner.py` for what it raises).
 """
 
 from rollout_cluster.agent_loop.base import AGENT_LOOPS, AgentLoopBase, register
 from rollout_cluster.agent_loop.chat import ChatTemplate, template_ids
+from rollout_cluster.agent_loop.long_answer import LongAnswerLoop
 from rollout_cluster.agent_loop.runner import AgentRunner, EpisodeAbortedError, resolve_agent_loop
 from rollout_cluster.agent_loop.single_turn import SingleTurnAgentLoop
 from rollout_cluster.agent_loop.tool_agent import AgentState, ToolAgentLoop, truncate_text
@@ -17,6 +19,7 @@ __all__ = [
     "AgentState",
     "ChatTemplate",
     "EpisodeAbortedError",
+    "LongAnswerLoop",
     "SingleTurnAgentLoop",
     "ToolAgentLoop",
     "register",
