@@ -60,8 +60,27 @@ def test_audit_passes_on_honest_run(fake_run) -> None:
     rep = audit_run(fake_run.path)
     assert rep.ok, rep.as_dict()
     assert rep.tokens_checked == 32 and rep.max_logprob_error < 1e-4
-    assert rep.multi_version_turns == 4
+    assert rep.multi_version_turns == 4 and rep.multi_version_trajectories == 4
     assert rep.lag_histogram == {1: 4}
+
+
+def test_audit_counts_trajectories_whose_turns_have_different_versions(fake_run, tmp_path) -> None:
+    """Token 4 (the first of v1) becomes an observation: the v0 and v1 tokens are then two
+    turns, each of one version — the trajectory spans versions, no single turn does."""
+    import shutil
+
+    shutil.copytree(fake_run.path, tmp_path / "c")
+    rd = RunDir(tmp_path / "c")
+
+    def observe(ls):  # noqa: ANN001, ANN202
+        for t in ls:
+            t["response_mask"][4], t["response_logprobs"][4], t["response_versions"][4] = 0, 0.0, -1
+
+    _tamper(rd, observe)
+    rep = audit_run(rd.path)
+    assert rep.ok, rep.as_dict()
+    assert rep.multi_version_turns == 0 and rep.multi_version_trajectories == 4
+    assert rep.as_dict()["trajectories_spanning_versions"] == 4
 
 
 def _tamper(rd, fn):

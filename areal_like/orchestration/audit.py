@@ -39,6 +39,7 @@ class AuditReport:
     lag_histogram: dict[int, int] = field(default_factory=dict)
     token_lag_histogram: dict[int, int] = field(default_factory=dict)
     multi_version_turns: int = 0
+    multi_version_trajectories: int = 0
     problems: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
@@ -56,6 +57,7 @@ class AuditReport:
             "lag_histogram": {str(k): v for k, v in sorted(self.lag_histogram.items())},
             "token_lag_histogram": {str(k): v for k, v in sorted(self.token_lag_histogram.items())},
             "responses_spanning_versions": self.multi_version_turns,
+            "trajectories_spanning_versions": self.multi_version_trajectories,
             "problems": self.problems[:50],
             "missing": self.missing,
         }
@@ -118,12 +120,16 @@ def audit_run(run_dir: str | Path, tol: float = 1e-3, batch_size: int = 32) -> A
         if lag > eta:
             rep.problems.append(f"invariant 1: {t['episode_id']} trained with lag {lag} > η={eta}")
         if _spans_versions_within_turn(mask, vers):
-            rep.multi_version_turns += 1
+            rep.multi_version_turns += 1  # one generate call decoded across a weight update
+        if len(set(gen)) > 1:
+            rep.multi_version_trajectories += 1  # within a turn, or turns of different versions
         for v in sorted(set(gen)):
             todo[v].append((i, [k for k, (m, x) in enumerate(zip(mask, vers, strict=True)) if m == 1 and x == v]))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per version drowned the report
     for v in sorted(todo):
         wdir = weights_dir / f"v{v}"
         if not (wdir / "model.safetensors").is_file():

@@ -72,6 +72,9 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     from areal_like.orchestration.preflight import preflight
 
     preflight(cfg, "run", resume=resume, overwrite=overwrite)  # refuse before starting anything
+    from areal_like.orchestration import startup
+
+    startup.mark("imports")
 
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
@@ -84,6 +87,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
             init_ray(num_cpus=max(cpus, cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus),
                      include_dashboard=False, log_to_driver=cfg.run.verbose, runtime_env={"env_vars": ray_env()})
         started_ray = True
+    startup.mark("ray")
     from areal_like.orchestration.pools import place, rollout_bundles, train_bundles
 
     rp, tp = cfg.cluster.rollout_pool, cfg.cluster.train_pool
@@ -97,6 +101,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
         if started_ray:
             ray.shutdown()
         raise
+    startup.mark("pools")
     from areal_like.orchestration.trainer_side import TrainerSide
 
     try:

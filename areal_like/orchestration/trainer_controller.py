@@ -40,7 +40,7 @@ from areal_like.core.types import (
     VersionAnnouncement,
     WeightUpdateMeta,
 )
-from areal_like.orchestration import stop
+from areal_like.orchestration import startup, stop
 from areal_like.orchestration.channels import ControlPublisher, DataPuller
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
@@ -261,6 +261,10 @@ class TrainerController:
                 self.busy_s += time.time() - t0
                 self.telemetry.write_step(rec, self.idle_s / max(self.idle_s + self.busy_s, 1e-9),
                                           self.rollout.loaded_version if self.rollout is not None else None)
+                if "first_step" not in startup.phases():
+                    startup.mark("first_step")
+                    self.mlog.write("startup", self.trainer.version, **startup.phases())
+                    log.info("%s", startup.summary_line())
                 if self.on_step is not None:
                     if self.telemetry.evals:  # the last held-out evaluation, for the progress line
                         rec = {**rec, "eval_accuracy": self.telemetry.evals[-1]["accuracy"],
@@ -482,9 +486,11 @@ class TrainerController:
         if not self.peers.admit(msg, self._stopping):
             return
         if self.peers.joined is not None:  # hand it the current weights at once
+            startup.mark("rollout_joined")
             self.peers.joined = None
             self._fed_at = 0.0
         if isinstance(msg, TrajectoryGroup):
+            startup.mark("first_group")
             self._arrived.add(msg.group_id)
             problem = _bad_tokens(msg, self.vocab_size)
             if problem is not None:
@@ -535,6 +541,7 @@ class TrainerController:
 
     def _finish(self, wait_s: float = 60.0, reason: str = "finished") -> dict[str, int]:
         self._stopping = True
+        startup.reset()  # a next run in this process measures its own
         deadline = time.time() + wait_s
         while self.peers.accepted is not None and self.peers.accepted_final() is None and time.time() < deadline:
             self._announce(force=True)

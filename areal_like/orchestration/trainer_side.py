@@ -47,6 +47,10 @@ class TrainerSide:
                                    port=cfg.metrics.dashboard_port, token=cfg.metrics.dashboard_token,
                                    run_name=Path(cfg.run.dir).name)
         self.dashboard_url = self.dashboard.start()
+        from areal_like.orchestration import startup
+
+        startup.mark("imports")  # `areal-like train`: the first phase it passes
+        startup.mark("ray")
         log.info("dashboard: %s", self.dashboard_url)
         self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20),
                                  epoch=self.epoch, heartbeat_s=cfg.transport.heartbeat_s,
@@ -60,6 +64,7 @@ class TrainerSide:
         self.check_peers = check_peers
         self.group: Any = None
         self.controller: Any = None
+        startup.mark("trainer_side")
 
     @property
     def addresses(self) -> tuple[str, str]:
@@ -75,8 +80,12 @@ class TrainerSide:
                                       placement_group=self.placement_group, log_level=cfg.run.log_level,
                                       log_file=run_log_path(cfg.run.dir), console=cfg.run.verbose)
         trainer = self.group
+        from areal_like.orchestration import startup
+
+        startup.mark("train_workers")
         self.sender = self.group.weight_sender(cfg.weight_sync, weight_sync_device(cfg),
                                                self.run_dir.path / "weight_sync")
+        startup.mark("weight_group")
         self.controller = TrainerController(
             cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
             run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
