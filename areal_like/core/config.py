@@ -261,7 +261,7 @@ class AgentConfig(_Section):
     """Tools offered to the tool agent loop."""
     tools_file: str | None = None
     """Optional YAML file listing more tools (class + config)."""
-    long_answer_tokens: int = Field(64, ge=0)
+    long_answer_tokens: int = Field(16, ge=0)
     """Scale of the extra trained tokens the `long_answer` loop samples after each answer
     (× a Pareto(1.5) draw per episode, mean 3 × this, within the response budget)."""
     reward: str = "arithmetic"
