@@ -160,7 +160,7 @@ class DataPuller(_Channel):
 
     def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000,
                  epoch: int = 0, heartbeat_s: float | None = None, dead_s: float | None = None,
-                 queue_max: int = 10_000) -> None:
+                 queue_max: int = 2_000) -> None:
         super().__init__(secret, max_bytes)
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PULL)
