@@ -121,17 +121,25 @@ def _sample(root_pid: int, sid: int, labels: dict[int, str]) -> list[dict]:
 
 
 def _last_step(run_dir: Path) -> int:
+    """The last train step in metrics.jsonl, read from its end (rollout reports are long and
+    frequent: a slow trainer's last step can lie megabytes back)."""
     path = run_dir / "metrics.jsonl"
     step = 0
+    window = 65536
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - 65536))
-            for line in f.read().decode("utf-8", "replace").splitlines():
-                if '"train_step"' in line:
-                    try:
-                        step = max(step, int(json.loads(line).get("step", 0)))
-                    except (ValueError, TypeError):
-                        continue
+            while True:
+                f.seek(max(0, size - window))
+                for line in f.read().decode("utf-8", "replace").splitlines():
+                    if '"train_step"' in line:
+                        try:
+                            step = max(step, int(json.loads(line).get("step", 0)))
+                        except (ValueError, TypeError):
+                            continue
+                if step or window >= size:
+                    return step
+                window *= 4
     except OSError:
         pass
     return step
