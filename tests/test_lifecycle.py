@@ -237,3 +237,23 @@ def test_a_hung_episode_times_out_as_failed_and_frees_the_trainer(tmp_path) -> N
     summary, recs = h.finish()
     assert time.time() - t0 < 120
     assert summary["failed"] >= 1 and _adds_up(summary), summary
+
+
+def test_a_frame_resent_after_the_final_report_is_still_taken() -> None:
+    """A reset can lose a group whose resend then arrives after the final report (sent
+    later, queued earlier): it belongs to the run and is taken; a frame sent after the
+    final report is not. Until the lost one arrives, the trainer knows it is missing."""
+    from areal_like.core.types import RolloutStats
+    from areal_like.orchestration.peers import RolloutPeers
+
+    peers = RolloutPeers("run-a", 0, dead_s=5, timeout_s=60)
+    o = Origin(run_id="run-a", epoch=0, sender="ro", started=8)
+    assert peers.admit(_group(o.model_copy(update={"seq": 1}), "g1"), stopping=True)
+    final = RolloutStats(kind="final", time=0.0, loaded_version=0, started=8, running=0,
+                         origin=o.model_copy(update={"seq": 3}))
+    assert peers.admit(final, stopping=True)
+    assert peers.missing_before_final({"ro": [1, 3]})  # #2 is missing
+    assert peers.admit(_group(o.model_copy(update={"seq": 2}), "g2"), stopping=True)  # its resend
+    assert not peers.missing_before_final({"ro": [3]})
+    assert not peers.admit(_group(o.model_copy(update={"seq": 4}), "g4"), stopping=True)
+    assert peers.refused == {"a frame after that controller's final report": 1}

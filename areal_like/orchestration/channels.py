@@ -215,12 +215,13 @@ class DataPuller(_Channel):
             log.debug("dropped a duplicate frame %s/e%d/#%d", o.sender, o.epoch, o.seq)
         return fresh
 
-    def acks(self) -> dict[str, list[int]]:
+    def acks(self, epoch: int | None = None) -> dict[str, list[int]]:
         """Sender → `[upto, *more]`: every seq up to `upto` has arrived, and so have the
-        seqs in `more` (received past a gap), for frames of this trainer epoch."""
+        seqs in `more` (received past a gap), for frames of trainer `epoch` (this one's)."""
+        epoch = self.epoch if epoch is None else epoch
         with self._marks_lock:
             return {sender: [m.upto, *sorted(m.above)[:_MAX_SELECTIVE]]
-                    for (sender, epoch), m in self._marks.items() if epoch == self.epoch}
+                    for (sender, e), m in self._marks.items() if e == epoch}
 
     def recv(self, timeout_s: float) -> Any | None:
         """The next message taken off the socket, or None after `timeout_s`."""
@@ -232,6 +233,9 @@ class DataPuller(_Channel):
     def close(self) -> None:
         self._closing.set()
         self._thread.join(timeout=2.0)
+        if self._thread.is_alive():  # never close a socket another thread still uses
+            log.warning("data channel receiver did not stop within 2s; leaving its socket open")
+            return
         self.sock.close(0)
 
 
@@ -248,9 +252,12 @@ class DataPusher(_Channel):
     """Rollout side of the data channel (connects).
 
     Numbers every frame that carries an `Origin` and keeps it until `ack` says the
-    trainer has it. `maintain` (called often, from any thread) resends what is
-    unacknowledged when ZMQ has reconnected, and what has waited `resend_after_s`
-    while acknowledgements still come; `flush` waits for everything to be acknowledged.
+    trainer has it. `maintain` (called often, from any thread) resends what is still
+    unacknowledged once ZMQ has reconnected *and* the trainer has acknowledged
+    something since (that acknowledgement first releases what it already has, and a
+    restarted trainer's releases the old epoch's frames), and a frame that has waited
+    `resend_after_s` while a later one was acknowledged (a gap: it was lost). `flush`
+    waits for everything to be acknowledged.
     """
 
     def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000,
@@ -273,6 +280,10 @@ class DataPusher(_Channel):
         """epoch → seq → a frame not acknowledged yet."""
         self._next: dict[int, int] = {}
         self._acked_at = 0.0
+        self._reconnected_at: float | None = None
+        """Set by a reconnect; cleared once everything unacknowledged went out again."""
+        self._max_acked: dict[int, int] = {}
+        """epoch → the highest seq acknowledged (frames below it that are not were lost)."""
         self._connected_once = False
         self._down = False
         self.resend_after_s = resend_after_s
@@ -298,13 +309,13 @@ class DataPusher(_Channel):
             with self._box_lock:
                 box = self._outbox.setdefault(origin.epoch, {})
                 seq = self._next.get(origin.epoch, 0) + 1
-                self._next[origin.epoch] = seq
                 low = min(box, default=seq)
                 msg.origin = origin.model_copy(update={"seq": seq, "low": low})  # type: ignore[attr-defined]
                 frames = self._frames(msg)
                 if len(frames[-1]) > self.max_bytes:  # the trainer would drop the connection over it
                     raise ChannelError(f"a {type(msg).__name__} frame of {len(frames[-1]) >> 20} MiB is over "
                                        f"transport.max_frame_mb ({self.max_bytes >> 20} MiB)")
+                self._next[origin.epoch] = seq
                 box[seq] = _Unacked(seq, frames, time.monotonic())
             self.sock.send_multipart(frames)
 
@@ -317,47 +328,56 @@ class DataPusher(_Channel):
             self._acked_at = time.monotonic()
             for e in [e for e in self._outbox if e < epoch]:
                 del self._outbox[e]
+            for e in [e for e in self._max_acked if e < epoch]:
+                del self._max_acked[e]
+            self._max_acked[epoch] = max(self._max_acked.get(epoch, 0), upto, *more)
             box = self._outbox.get(epoch)
             if box:
                 for s in [s for s in box if s <= upto or s in more]:
                     del box[s]
 
     def maintain(self) -> None:
-        """Resend after a reconnect, or what waited too long while the trainer acknowledges
-        other frames. Never blocks: skipped while a send holds the socket."""
+        """Resend after a reconnect (once the trainer has acknowledged something since),
+        or a frame a later acknowledged one overtook `resend_after_s` ago. Never blocks:
+        skipped while a send holds the socket."""
         if not self._lock.acquire(blocking=False):
             return
         try:
-            reconnected = self._events()
             now = time.monotonic()
+            if self._events():
+                self._reconnected_at = now
             with self._box_lock:
-                heard = now - self._acked_at < self.resend_after_s
-                due: list[_Unacked] = []
-                for box in self._outbox.values():
+                after_reconnect = self._reconnected_at is not None and self._acked_at > self._reconnected_at
+                due: list[tuple[_Unacked, bool]] = []
+                for epoch, box in self._outbox.items():
+                    top = self._max_acked.get(epoch, 0)
                     for u in sorted(box.values(), key=lambda u: u.seq):
-                        timed_out = heard and now - u.sent_at > self.resend_after_s
-                        if not (reconnected or timed_out):
+                        gap = u.seq < top and now - u.sent_at > self.resend_after_s
+                        if not (after_reconnect or gap):
                             continue
-                        # resent `max_resends` times although the trainer acknowledges others, or
-                        # (a frame that breaks the connection each time) 3 × that over reconnects
-                        if (timed_out and u.timer_tries >= self.max_resends) or u.tries >= 3 * self.max_resends:
+                        timer = gap and not after_reconnect
+                        # resent `max_resends` times although later frames arrive, or (a frame that
+                        # breaks the connection each time) 3 × that over reconnects
+                        if (timer and u.timer_tries >= self.max_resends) or u.tries >= 3 * self.max_resends:
                             del box[u.seq]
                             self.given_up += 1
                             log.error("data frame #%d was never acknowledged after %d resends: given up "
                                       "(the run's counts will not add up)", u.seq, u.tries)
                             continue
-                        u.tries += 1
-                        u.timer_tries += int(timed_out and not reconnected)
-                        due.append(u)
-            if reconnected and due:
+                        due.append((u, timer))
+            if after_reconnect and due:
                 log.warning("data channel reconnected: resending %d unacknowledged frames", len(due))
-            for u in due:
+            for u, timer in due:
                 try:
                     self.sock.send_multipart(u.frames, flags=zmq.NOBLOCK)
                 except zmq.Again:
-                    break  # the queue is full: the rest goes at the next call
+                    return  # the queue is full: what is left goes at a later call
+                u.tries += 1
+                u.timer_tries += int(timer)
                 u.sent_at = now
                 self.resent += 1
+            if after_reconnect:
+                self._reconnected_at = None
         finally:
             self._lock.release()
 

@@ -91,8 +91,9 @@ class RolloutPeers:
             return f"a frame of another trainer epoch ({o.epoch}; this trainer is epoch {self.epoch})"
         if self.accepted is not None and o.sender != self.accepted:
             return f"a second rollout controller (this run's is {self.accepted}; one per run)"
-        if o.sender in self.senders and self.senders[o.sender].final is not None:
-            return "a frame after that controller's final report"
+        final = self.senders[o.sender].final if o.sender in self.senders else None
+        if final is not None and not (o.seq and final.origin is not None and o.seq < final.origin.seq):
+            return "a frame after that controller's final report"  # (a resend of an earlier one is welcome)
         return None
 
     # ---- liveness --------------------------------------------------------------------
@@ -134,6 +135,14 @@ class RolloutPeers:
     def delivered(self, sender: str | None) -> int:
         s = self.senders.get(sender) if sender else None
         return s.delivered if s is not None else 0
+
+    def missing_before_final(self, acks: dict[str, list[int]]) -> bool:
+        """Whether a frame the accepted controller sent before its final report has not
+        arrived yet (lost on a reset, on its way again): the trainer waits for it."""
+        final = self.accepted_final()
+        if final is None or final.origin is None or not final.origin.seq:
+            return False
+        return acks.get(final.origin.sender, [0])[0] < final.origin.seq
 
     def accepted_final(self) -> RolloutStats | None:
         s = self.senders.get(self.accepted) if self.accepted else None

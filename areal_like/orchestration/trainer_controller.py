@@ -205,7 +205,7 @@ class TrainerController:
             ann = self._last_ann
             if ann is not None:
                 try:
-                    self.publisher.publish(ann.model_copy(update={"weights": None, "acked": self.puller.acks()}))
+                    self.publisher.publish(ann.model_copy(update={"weights": None, "acked": self.puller.acks(self.peers.epoch)}))
                 except Exception as e:  # the channel is closing: the schedule reports what matters
                     log.debug("heartbeat not sent: %s", e)
                     return
@@ -468,7 +468,7 @@ class TrainerController:
             run_id=self.peers.run_id,
             epoch=self.peers.epoch,
             rollout_id=self.peers.accepted,
-            acked=self.puller.acks(),
+            acked=self.puller.acks(self.peers.epoch),
         )
         self._last_ann = ann
         self.publisher.publish(ann)
@@ -543,9 +543,13 @@ class TrainerController:
         self._stopping = True
         startup.reset()  # a next run in this process measures its own
         deadline = time.time() + wait_s
-        while self.peers.accepted is not None and self.peers.accepted_final() is None and time.time() < deadline:
+        while self.peers.accepted is not None and time.time() < deadline and (
+                self.peers.accepted_final() is None or self.peers.missing_before_final(self.puller.acks(self.peers.epoch))):
             self._announce(force=True)
             self._drain(timeout_s=0.2)
+        if self.peers.accepted_final() is not None:
+            self._announce(force=True)  # acknowledges the final report: the rollout side exits on it
+            time.sleep(0.2)  # PUB drops what is unsent at close
         if self.peers.accepted is not None and self.peers.accepted_final() is None:
             log.error("the rollout side did not report its final counts within %.0fs: what it started and did not "
                       "deliver is counted as cancelled", wait_s)
