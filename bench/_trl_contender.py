@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=200)
     ap.add_argument("--max-seconds", type=float, default=900.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's train.lr)")
     ap.add_argument("--stop-reward", type=float, default=None,
                     help="stop --extra-steps after the mean train reward of the last 5 steps reaches this")
     ap.add_argument("--extra-steps", type=int, default=10)
@@ -142,7 +143,7 @@ def main() -> None:
         temperature=cfg.rollout.temperature,
         top_p=1.0,
         top_k=0,
-        learning_rate=cfg.train.lr,
+        learning_rate=args.lr if args.lr is not None else cfg.train.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=cfg.train.weight_decay,

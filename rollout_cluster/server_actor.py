@@ -27,6 +27,14 @@ __all__ = ["ServerActor", "ServerStartError"]
 log = logging.getLogger(__name__)
 
 
+def _ray() -> Any:
+    """Ray, when this process is a Ray actor; None in a local launcher's process."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
+
+
 class ServerStartError(RuntimeError):
     """A server could not start: the message names the server and its device first."""
 
@@ -79,18 +87,19 @@ class ServerActor:
 
     def device(self) -> str:
         """`cuda:<ids>` of the GPUs Ray gave this actor, else `cpu (<n> threads)`."""
-        import ray
-
-        gpus = ray.get_gpu_ids()
+        ray = _ray()
+        gpus = ray.get_gpu_ids() if ray is not None else []
         if gpus:
             return "cuda (GPU " + ",".join(str(g) for g in gpus) + ")"
         return f"cpu ({self._args[4]} threads)"
 
     def info(self) -> dict[str, Any]:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {"name": self.name, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+        ray = _ray()
+        if ray is not None:
+            node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        else:  # a plain process of the local launcher (areal_like/orchestration/local_actors.py)
+            node_id, node_ip = "local", "127.0.0.1"
+        return {"name": self.name, "node_id": node_id, "node_ip": node_ip,
                 "pid": os.getpid(), "device": self.device(),
                 "version": self.server.version if self.server is not None else 0}
 
@@ -118,7 +127,10 @@ class ServerActor:
         return self.server.version
 
     def metrics(self) -> dict[str, float]:
-        return self.server.metrics() if self.server is not None else {}
+        m = self.server.metrics() if self.server is not None else {}
+        # CPU seconds of this process, every thread (the dashboard's cores used per pool);
+        # a vLLM engine's own worker processes are not in it
+        return {**m, "process_cpu_s": time.process_time()}
 
     def health(self) -> dict[str, Any]:
         return self.server.health()

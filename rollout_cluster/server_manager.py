@@ -94,7 +94,8 @@ def default_failure_exceptions() -> tuple[type[BaseException], ...]:
 
 
 class RayServer:
-    """A Ray actor handle of a `RolloutServer` seen as a plain async server.
+    """A Ray actor handle (or a local launcher's, same face) of a `RolloutServer` seen
+    as a plain async server.
 
     `handle.generate.remote(...)` returns an awaitable `ObjectRef`; a dead actor
     raises a `RayActorError`, which the manager treats as a server failure; an error the
@@ -108,13 +109,14 @@ class RayServer:
     async def generate(
         self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
     ) -> GenerateResult:
-        from ray.exceptions import RayTaskError
-
         try:
             return await self.handle.generate.remote(
                 request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
             )
-        except RayTaskError as e:
+        except Exception as e:
+            ray_exceptions = sys.modules.get("ray.exceptions")
+            if ray_exceptions is None or not isinstance(e, ray_exceptions.RayTaskError):
+                raise  # a local actor re-raises the server's own error; a dead one, ActorDiedError
             # The server raised: its own error, not Ray's wrapping (which is also a RayError
             # and would read as a dead server): a refused request stays the request's fault.
             cause = getattr(e, "cause", None)

@@ -27,11 +27,13 @@ def _run(tiny_model_dir, run_dir: Path, *extra: str) -> subprocess.CompletedProc
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
 
 
-def test_the_console_is_quiet_and_the_log_file_has_the_rest(tiny_model_dir, tmp_path) -> None:
-    p = _run(tiny_model_dir, tmp_path / "run")
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_the_console_is_quiet_and_the_log_file_has_the_rest(tiny_model_dir, tmp_path, launcher) -> None:
+    p = _run(tiny_model_dir, tmp_path / "run", "--set", f"cluster.launcher={launcher}")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     assert "pid=" not in out, out  # no Ray worker prefixes
+    assert not re.search(r"(train\[0\]|server-0|rollout) (INFO|WARNING)", out), out  # nor local actors' lines
     assert not re.search(r"Warning|Loading weights|Started a local Ray", out), out
     assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/", out, re.M), out
     assert f"log: {tmp_path / 'run' / 'run.log'}" in out
@@ -43,8 +45,13 @@ def test_the_console_is_quiet_and_the_log_file_has_the_rest(tiny_model_dir, tmp_
     assert "train[0] INFO" in log and "server-0 INFO" in log and "rollout INFO" in log and "driver INFO" in log
 
 
-def test_verbose_brings_the_workers_output_back(tiny_model_dir, tmp_path) -> None:
-    p = _run(tiny_model_dir, tmp_path / "run", "--verbose")
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_verbose_brings_the_workers_output_back(tiny_model_dir, tmp_path, launcher) -> None:
+    p = _run(tiny_model_dir, tmp_path / "run", "--verbose", "--set", f"cluster.launcher={launcher}")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    assert "pid=" in out and "step 3/3" in out
+    assert "step 3/3" in out
+    if launcher == "ray":
+        assert "pid=" in out  # Ray's worker prefixes
+    else:  # every actor process's own lines, tagged
+        assert "train[0] INFO" in out and "server-0 INFO" in out and "rollout INFO" in out, out

@@ -32,14 +32,16 @@ def _cfg(tiny_model_dir, run_dir, *extra: str):
 
 
 def _server_processes() -> list[psutil.Process]:
-    """Server actor processes of this test's own Ray (descendants of this process: the
-    raylet is our child), not of another Ray running on the machine."""
+    """Server actor processes of this test's own run (descendants of this process: the
+    raylet or the local launcher's zygote is our child), not of another run on the
+    machine. Ray titles them `ray::ServerActor`, the local launcher `areal-server-<i>`."""
     out = []
     me = os.getpid()
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "name"]):
         try:
-            if any("ServerActor" in part for part in (p.info["cmdline"] or [])) and \
-                    any(a.pid == me for a in p.parents()):
+            mine = any("ServerActor" in part for part in (p.info["cmdline"] or [])) or \
+                (p.info["name"] or "").startswith("areal-server-")
+            if mine and any(a.pid == me for a in p.parents()):
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -57,7 +59,9 @@ def _audit(run_dir: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_two_server_actors_are_two_processes_and_both_serve_trained_versions(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_two_server_actors_are_two_processes_and_both_serve_trained_versions(tiny_model_dir, tmp_path,
+                                                                            launcher) -> None:
     from areal_like.orchestration.launch import run_both
 
     run_dir = tmp_path / "run"
@@ -67,8 +71,8 @@ def test_two_server_actors_are_two_processes_and_both_serve_trained_versions(tin
         for p in _server_processes():
             seen[p.pid] = " ".join(p.cmdline()[:1])
 
-    summary = run_both(_cfg(tiny_model_dir, run_dir, "run.record_trajectories=true", "run.record_weights=true"),
-                       on_step=on_step)
+    summary = run_both(_cfg(tiny_model_dir, run_dir, "run.record_trajectories=true", "run.record_weights=true",
+                            f"cluster.launcher={launcher}"), on_step=on_step)
     _ends_as_configured(run_dir, summary, 6)
     assert len(seen) == 2 and os.getpid() not in seen, f"expected two server processes, saw {seen}"
     recs = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "server-1_version" in r]
@@ -82,7 +86,8 @@ def test_two_server_actors_are_two_processes_and_both_serve_trained_versions(tin
     assert audit.returncode == 0, audit.stdout + audit.stderr
 
 
-def test_a_killed_server_process_is_restarted_with_the_served_version(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_a_killed_server_process_is_restarted_with_the_served_version(tiny_model_dir, tmp_path, launcher) -> None:
     """SIGKILL one server's process while it generates: its episodes move to the other
     server, a fresh actor starts in its bundle, copies the version the other serves
     before it takes a call, and the run ends as configured with counts adding up."""
@@ -111,7 +116,7 @@ def test_a_killed_server_process_is_restarted_with_the_served_version(tiny_model
             time.sleep(10)  # its engine loads and it copies the served version (asserted below)
 
     cfg = _cfg(tiny_model_dir, run_dir, "train.total_steps=10", "rollout.server_restarts=1",
-               "rollout.server_restart_backoff_s=0.2")
+               "rollout.server_restart_backoff_s=0.2", f"cluster.launcher={launcher}")
     summary = run_both(cfg, on_step=on_step)
     assert killed, "no server process was found to kill"
     assert restarted, "no restarted server process appeared"

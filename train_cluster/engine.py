@@ -116,20 +116,22 @@ class TrainEngine(ABC):
         cfg, loss_cfg = self.train_cfg, self.loss_cfg
         if loss_cfg.naive_ppo_ablation:
             logger.warning("ABLATION step: naive PPO (pi_old = behaviour policy, no importance weight)")
-        if cfg.mini_batches > 1:
-            batch = batch.with_(prox_logprobs=self.compute_logprobs(batch))
-        # With one optimizer step per train step, π_prox (the weights at the start of the
-        # step) is what the training forward itself runs: its detached logprobs are the
-        # proximal ones, and a second forward would only cost time (docs/design.md §1).
         if loss_cfg.kl_coef > 0:
             batch = batch.with_(ref_logprobs=self._ref_logprobs(batch))
+        minis = split_mini_batches(batch, cfg.mini_batches)
+        # π_prox is the weights at the start of the step. The first mini-batch's training
+        # forward runs exactly those weights: its detached logprobs are the proximal ones,
+        # and a second forward would only cost time (docs/design.md §1). The later
+        # mini-batches train after an optimizer step, so theirs are computed here, before
+        # any step, once and without a graph.
+        minis = minis[:1] + [m.with_(prox_logprobs=self.compute_logprobs(m)) for m in minis[1:]]
         prox_time = time.perf_counter() - t0
 
         sums = torch.zeros(11, dtype=torch.float64)
         w_max = torch.zeros(1, dtype=torch.float64)
         grad_norms: list[float] = []
         applied = 0
-        for mini in split_mini_batches(batch, cfg.mini_batches):
+        for mini in minis:
             norm, mini_sums, mini_wmax = self._mini_batch_step(mini)
             finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(mini_sums[_S_LOSS]))
             if finite:

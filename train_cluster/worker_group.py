@@ -41,16 +41,17 @@ class TrainWorkerDied(RuntimeError):
 def _get(workers: list[Any], refs: list[Any], what: str) -> list[Any]:
     """`ray.get` of one call per worker that turns a dead worker into one short, clear
     error, as soon as it is known (the live ranks may be blocked in a collective with it)."""
-    import ray
-    from ray.exceptions import RayActorError
+    from areal_like.core import actors
 
     try:
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)  # raises now if that worker died
-        return ray.get(refs)
-    except RayActorError as e:
+            done, pending = actors.wait(pending, num_returns=1)
+            actors.get(done)  # raises now if that worker died
+        return actors.get(refs)
+    except Exception as e:
+        if not actors.is_actor_death(e):
+            raise
         first = (str(e).strip().splitlines() or [""])[0]
         raise TrainWorkerDied(
             f"a train worker (of {len(workers)}) died during {what} ({type(e).__name__}: {first})"
@@ -69,12 +70,14 @@ class _TrainWorker:
         self.engine: Any = None
 
     def store_addr(self) -> str:
-        """Rank 0 hosts the TCPStore: its node address and a free port."""
-        import ray
+        """Rank 0 hosts the TCPStore: its node address and a free port (the loopback
+        address under the local launcher: every rank is on this machine)."""
+        import sys
 
         from train_cluster.torch_engine import free_port
 
-        ip = ray.util.get_node_ip_address()
+        ray = sys.modules.get("ray")
+        ip = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
         return f"{ip}:{free_port(ip)}"
 
     def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str,
@@ -96,7 +99,10 @@ class _TrainWorker:
         return self.engine.version, self.rank
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.engine.train_step(batch)
+        import time
+
+        # this process's CPU seconds so far, every thread: the train pool's cores used
+        return {**self.engine.train_step(batch), "cpu_s": time.process_time()}
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.engine.compute_logprobs(batch)
@@ -178,12 +184,16 @@ class TrainWorkerGroup:
         log_level: str = "INFO",
         log_file: str | Path | None = None,
         console: bool = True,
+        launcher: Any = None,
     ) -> None:
-        import ray
+        from areal_like.core import actors
 
         backend = train_cfg.backend
-        if not ray.is_initialized():
-            raise RuntimeError("TrainWorkerGroup needs Ray: call ray.init() first")
+        if launcher is None:
+            import ray
+
+            if not ray.is_initialized():
+                raise RuntimeError("TrainWorkerGroup needs Ray (call ray.init() first) or a local launcher")
         if isinstance(backend, MegatronBackendConfig):
             # tp × dp ranks; the ranks of one TP group share a data shard (dp shards in all)
             self.world_size = backend.tensor_parallel_size * backend.data_parallel_size
@@ -201,6 +211,28 @@ class TrainWorkerGroup:
                                          "TOKENIZERS_PARALLELISM": "false",
                                          "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}},
         }
+        log_file = str(log_file) if log_file is not None else None
+        if launcher is not None:  # plain processes forked from the zygote (local_actors)
+            self.workers = [launcher.spawn(_TrainWorker, (r, self.world_size, log_level, log_file, console),
+                                           name=f"train-{r}", threads=backend.threads,
+                                           env={"TOKENIZERS_PARALLELISM": "false"},
+                                           stdio=None if console or log_file is None else log_file)
+                            for r in range(self.world_size)]
+        else:
+            self.workers = self._ray_workers(options, placement_group, log_level, log_file, console)
+        store = actors.get(self.workers[0].store_addr.remote())
+        cfg = train_cfg.model_dump(mode="json")
+        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed)
+                                     for w in self.workers], "setup")
+        self._version = setups[0][0]
+        self._dp_ranks = [int(dp) for _, dp in setups]  # each worker's data shard
+        logger.info("TrainWorkerGroup: %d workers (%s, %s threads each, %s), store %s", self.world_size,
+                    layout, threads, backend.device, store)
+
+    def _ray_workers(self, options: dict[str, Any], placement_group: Any, log_level: str, log_file: str | None,
+                     console: bool) -> list[Any]:
+        import ray
+
         actor = ray.remote(_TrainWorker)
         per_rank = placement_group is not None and len(placement_group.bundle_specs) == self.world_size
 
@@ -213,17 +245,8 @@ class TrainWorkerGroup:
             return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=rank if per_rank else -1)}
 
-        log_file = str(log_file) if log_file is not None else None
-        self.workers = [actor.options(**place(r)).remote(r, self.world_size, log_level, log_file, console)
-                        for r in range(self.world_size)]
-        store = ray.get(self.workers[0].store_addr.remote())
-        cfg = train_cfg.model_dump(mode="json")
-        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed)
-                                     for w in self.workers], "setup")
-        self._version = setups[0][0]
-        self._dp_ranks = [int(dp) for _, dp in setups]  # each worker's data shard
-        logger.info("TrainWorkerGroup: %d workers (%s, %s threads each, %s), store %s", self.world_size,
-                    layout, threads, backend.device, store)
+        return [actor.options(**place(r)).remote(r, self.world_size, log_level, log_file, console)
+                for r in range(self.world_size)]
 
     @property
     def version(self) -> int:
@@ -241,7 +264,7 @@ class TrainWorkerGroup:
         stats = _get(self.workers, [w.train_step.remote(parts[dp])
                                     for w, dp in zip(self.workers, self._dp_ranks, strict=True)], "train_step")
         self._version = int(stats[0]["version"])
-        return stats[0]
+        return {**stats[0], "train_cpu_s": sum(s.get("cpu_s", 0.0) for s in stats)}
 
     def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One train step on a batch of trajectories: group-normalised advantages, packing
@@ -283,17 +306,17 @@ class TrainWorkerGroup:
         _get(self.workers, [w.save.remote(str(path), extra) for w in self.workers], "save")
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        import ray
+        from areal_like.core import actors
 
-        extras = ray.get([w.load.remote(str(path)) for w in self.workers])
-        self._version = ray.get(self.workers[0].version.remote())
+        extras = actors.get([w.load.remote(str(path)) for w in self.workers])
+        self._version = actors.get(self.workers[0].version.remote())
         return extras[0]
 
     def shutdown(self) -> None:
-        import ray
+        from areal_like.core import actors
 
         for w in self.workers:
-            ray.kill(w)
+            actors.kill(w)
         self.workers = []
 
 
@@ -339,10 +362,10 @@ class WorkerWeightSender:
         return stats
 
     def close(self) -> None:
-        import ray
+        from areal_like.core import actors
 
         if self.group.workers:
             try:
-                ray.get(self.group.workers[0].close_weight_sender.remote(), timeout=60)
+                actors.get(self.group.workers[0].close_weight_sender.remote(), timeout=60)
             except Exception as e:  # the worker may be gone; its store goes with it
                 logger.debug("closing rank 0's weight sender: %s", e)

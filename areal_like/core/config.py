@@ -453,6 +453,13 @@ class PoolConfig(_Section):
 
 
 class ClusterConfig(_Section):
+    launcher: Literal["auto", "ray", "local"] = "auto"
+    """How `areal-like run` starts its actors. `ray`: an embedded Ray (or the cluster at
+    `ray_address`) with one placement group per pool. `local`: plain processes forked
+    from one pre-imported zygote, no Ray: the train workers, the rollout controller and
+    every server on this machine, CPU only, starting in a few seconds. `auto`: `local`
+    when the run needs nothing Ray gives (no `ray_address`, no GPUs, embedded engine),
+    else `ray`."""
     ray_address: str | None = None
     """Existing Ray cluster to join; None starts an embedded local one."""
     allow_unauthenticated_ray: bool = False

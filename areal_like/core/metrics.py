@@ -57,6 +57,8 @@ class MetricsRegistry:
         )
         self.sync_bytes = Counter("areal_like_weight_sync_bytes", "Weight bytes transferred", registry=r)
         self.idle_ratio = Gauge("areal_like_idle_ratio", "Fraction of time a pool waited", ["pool"], registry=r)
+        self.cores_used = Gauge("areal_like_cores_used", "CPU cores a pool's processes used (CPU seconds / wall)",
+                                ["pool"], registry=r)
         self.reward_mean = Gauge("areal_like_reward_mean", "Mean reward of the last train step", registry=r)
         self.reward = Histogram(
             "areal_like_reward", "Rewards of trained samples", buckets=(0, 0.25, 0.5, 0.75, 1.0), registry=r

@@ -321,6 +321,11 @@ class RolloutCounters(_Strict):
     kv_usage: float = 0.0
     gen_tokens_per_s: float = 0.0
     rollout_idle_ratio: float = 0.0
+    rollout_cpu_s: float = 0.0
+    """CPU seconds the rollout side's processes used so far (its controller and its
+    servers' own processes; a restarted server starts again from 0)."""
+    rollout_cores_used: float = 0.0
+    """CPU cores the rollout side used since its previous report (CPU seconds / wall)."""
     servers: float = 0.0
     server_failures: float = 0.0
     generate_retries: float = 0.0

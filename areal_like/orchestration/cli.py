@@ -112,18 +112,28 @@ def run(
     overwrite: bool = typer.Option(False, help="Replace an existing run.dir."),
     verbose: bool = typer.Option(False, "--verbose", help="Every process's log lines on the console too (else in run.dir/run.log)."),
 ) -> None:
-    """Run both clusters on this machine (embedded Ray, one placement group per pool)."""
-    from areal_like.orchestration.launch import run_both
-    from areal_like.orchestration.run_dir import RunDirError
-    from areal_like.orchestration.trainer_controller import RunAborted, RunInterrupted
+    """Run both clusters on this machine (plain processes, or an embedded Ray with one
+    placement group per pool: `cluster.launcher`)."""
+    from areal_like.orchestration.local_actors import Zygote, choose_launcher
 
     cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
-    _console(cfg)
-    _preflight(cfg, "run", resume, overwrite)
-    progress = _progress(cfg)
+    # The local launcher's zygote imports torch & co. while this process does the same.
+    zygote = Zygote.start() if choose_launcher(cfg) == "local" else None
+    try:
+        from areal_like.orchestration.launch import run_both
+        from areal_like.orchestration.run_dir import RunDirError
+        from areal_like.orchestration.trainer_controller import RunAborted, RunInterrupted
+
+        _console(cfg)
+        _preflight(cfg, "run", resume, overwrite)
+        progress = _progress(cfg)
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
     try:
         summary = run_both(cfg, resume=resume, overwrite=overwrite, on_start=lambda side: _print_start(side, progress),
-                           on_step=progress)
+                           on_step=progress, zygote=zygote)
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
     except RunAborted as e:

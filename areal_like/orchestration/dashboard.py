@@ -57,6 +57,8 @@ previous reply's `latest_time` as the next `since` and appends):
         buffer_depth                                              samples waiting to train
         gen_tokens_per_s, train_tokens_per_s                      throughput
         trainer_idle_ratio, rollout_idle_ratio                    fraction of time waiting
+        train_cores_used, rollout_cores_used                      CPU cores each pool's processes
+                                                                  used (CPU seconds / wall)
         interrupts, interrupted_tokens, recompute_tokens          cumulative
         pause_resume_latency_s_max                                seconds
         vllm_kv_cache_usage, vllm_num_waiting, vllm_preemptions   vLLM's own (vLLM engine only)
@@ -118,6 +120,8 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("train_tokens_per_s", "train_step", "tokens_per_s"),
     ("trainer_idle_ratio", "train_step", "trainer_idle_ratio"),
     ("rollout_idle_ratio", "rollout", "rollout_idle_ratio"),
+    ("train_cores_used", "train_step", "train_cores_used"),
+    ("rollout_cores_used", "rollout", "rollout_cores_used"),
     ("interrupts", "rollout", "interrupts"),
     ("interrupted_tokens", "rollout", "interrupted_tokens"),
     ("recompute_tokens", "rollout", "recompute_tokens"),

@@ -229,8 +229,13 @@ class PromptSource:
     """Endless, seeded, resumable stream of rows (reshuffled each epoch).
 
     Rows whose prompt is longer than `max_prompt_len` tokens (as `prompt_len`
-    measures them) are dropped at load and counted in `filtered_too_long`.
+    measures them) are dropped and counted in `filtered_too_long`: at load for up to
+    `EAGER_MEASURE` rows; a larger set is measured as its rows are first drawn (a chat
+    template per row costs ~0.1 ms: 20k rows would hold the start by seconds), and only
+    a set with no usable row at all is refused at load.
     """
+
+    EAGER_MEASURE = 4096
 
     def __init__(
         self,
@@ -249,10 +254,17 @@ class PromptSource:
         """Times a solved prompt was passed over."""
         self._streak: dict[int, int] = {}
         """Row index -> groups in a row solved by every sample (only rows with a streak)."""
+        self._fits: Callable[[dict[str, Any]], bool] | None = None
+        self._measured: dict[int, bool] = {}
         if prompt_len is not None and max_prompt_len is not None:
-            kept = [r for r in rows if prompt_len(r) <= max_prompt_len]
-            self.filtered_too_long = len(rows) - len(kept)
-            rows = kept
+            if len(rows) <= self.EAGER_MEASURE:
+                kept = [r for r in rows if prompt_len(r) <= max_prompt_len]
+                self.filtered_too_long = len(rows) - len(kept)
+                rows = kept
+            else:
+                self._fits = lambda r: prompt_len(r) <= max_prompt_len  # type: ignore[operator]
+                if not any(self._fits(r) for r in rows):
+                    self.filtered_too_long, rows = len(rows), []
         if not rows:
             raise DatasetError(
                 f"no usable rows: {self.filtered_too_long} prompts were longer than max_prompt_len={max_prompt_len}"
@@ -272,13 +284,25 @@ class PromptSource:
         return order
 
     def _advance(self) -> int:
-        if self.pos >= len(self._order):
-            self.epoch += 1
-            self.pos = 0
-            self._order = self._make_order()
-        i = self._order[self.pos]
-        self.pos += 1
-        return i
+        while True:
+            if self.pos >= len(self._order):
+                self.epoch += 1
+                self.pos = 0
+                self._order = self._make_order()
+            i = self._order[self.pos]
+            self.pos += 1
+            if self._fits is None:
+                return i
+            fits = self._measured.get(i)
+            if fits is None:
+                fits = self._measured[i] = self._fits(self.rows[i])
+                if not fits:
+                    self.filtered_too_long += 1
+                    if self.filtered_too_long in (1, 10, 100, 1000):
+                        log.warning("%d prompt(s) longer than rollout.max_prompt_len skipped so far",
+                                    self.filtered_too_long)
+            if fits:
+                return i
 
     def next(self) -> dict[str, Any]:
         """The next row; with `skip_solved_after`, rows solved that many groups in a row are

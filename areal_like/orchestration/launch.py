@@ -22,9 +22,10 @@ import time
 from typing import Any
 
 from areal_like.core.config import ExperimentConfig
+from areal_like.orchestration.local_actors import choose_launcher
 from areal_like.orchestration.ray_setup import init_ray, ray_env
 
-__all__ = ["run_both", "ray_env", "init_ray"]
+__all__ = ["run_both", "ray_env", "init_ray", "choose_launcher"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class RolloutControllerActor:
     rollout side; the server actors it starts are owned by it and go with it."""
 
     def run(self, cfg_json: dict[str, Any], data_addr: str, control_addr: str,
-            user: dict[str, Any] | None = None, placement_group: Any = None) -> dict[str, Any]:
+            user: dict[str, Any] | None = None, placement_group: Any = None,
+            zygote: str | None = None) -> dict[str, Any]:
         from areal_like.core.logs import process_logging, run_log_path
         from areal_like.orchestration.rollout_side import RolloutSide
 
@@ -42,7 +44,13 @@ class RolloutControllerActor:
         process_logging("rollout", run["log_level"], run_log_path(run["dir"]), console=run.get("verbose", False))
 
         cfg = ExperimentConfig.model_validate(cfg_json)
-        return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group).run()
+        launcher = None
+        if zygote is not None:  # the local launcher: servers from the same zygote as this process
+            from areal_like.orchestration.local_actors import Zygote
+
+            launcher = Zygote(zygote)
+        return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group,
+                           launcher=launcher).run()
 
 
 def _rollout_death_message(error: BaseException) -> str:
@@ -63,18 +71,62 @@ def _rollout_death_message(error: BaseException) -> str:
 
 
 def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, on_step: Any = None,
-             on_start: Any = None, user: dict[str, Any] | None = None) -> dict[str, int]:
-    """Both clusters on this machine: embedded Ray, one placement group per pool."""
+             on_start: Any = None, user: dict[str, Any] | None = None, zygote: Any = None) -> dict[str, int]:
+    """Both clusters on this machine: plain processes from a zygote (`local` launcher;
+    the CLI starts it before its own imports and passes it), or an embedded Ray with one
+    placement group per pool."""
+    from areal_like.orchestration.local_actors import Zygote, choose_launcher
+
+    if zygote is None and choose_launcher(cfg, user) == "local":
+        zygote = Zygote.start()  # it imports torch & co. while this process checks the config
+    from areal_like.orchestration.preflight import preflight
+
+    try:
+        preflight(cfg, "run", resume=resume, overwrite=overwrite)  # refuse before starting anything
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
+    from areal_like.orchestration import startup
+
+    startup.mark("imports")
+    if zygote is not None:
+        return _run_local(cfg, zygote, resume=resume, overwrite=overwrite, on_step=on_step, on_start=on_start,
+                          user=user)
+    return _run_ray(cfg, resume=resume, overwrite=overwrite, on_step=on_step, on_start=on_start, user=user)
+
+
+def _run_local(cfg: ExperimentConfig, zygote: Any, *, resume: bool, overwrite: bool, on_step: Any,
+               on_start: Any, user: dict[str, Any] | None) -> dict[str, int]:
+    from areal_like.core.logs import run_log_path
+    from areal_like.orchestration.trainer_side import TrainerSide
+
+    try:
+        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=on_step, launcher=zygote)
+    except BaseException:
+        zygote.close()
+        raise
+    data_addr, control_addr = trainer.addresses
+    try:
+        controller = zygote.spawn(RolloutControllerActor, name="rollout",
+                                  stdio=None if cfg.run.verbose else str(run_log_path(cfg.run.dir)))
+    except BaseException:
+        trainer.close()
+        zygote.close()
+        raise
+    if on_start is not None:
+        on_start(trainer)
+    ref = controller.run.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, None, zygote.address)
+    return _drive(trainer, controller, ref, cleanup=zygote.close)
+
+
+def _run_ray(cfg: ExperimentConfig, *, resume: bool, overwrite: bool, on_step: Any, on_start: Any,
+             user: dict[str, Any] | None) -> dict[str, int]:
     import ray
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from areal_like.orchestration.preflight import preflight
-
-    preflight(cfg, "run", resume=resume, overwrite=overwrite)  # refuse before starting anything
     from areal_like.orchestration import startup
-
-    startup.mark("imports")
 
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
@@ -104,13 +156,16 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     startup.mark("pools")
     from areal_like.orchestration.trainer_side import TrainerSide
 
-    try:
-        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step)
-    except BaseException:
+    def cleanup() -> None:
         for pg in (pg_roll, pg_train):
             remove_placement_group(pg)
         if started_ray:
             ray.shutdown()
+
+    try:
+        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step)
+    except BaseException:
+        cleanup()
         raise
     data_addr, control_addr = trainer.addresses
     # The rollout controller takes no resources of its own: it lives beside server 0,
@@ -125,16 +180,24 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     if on_start is not None:
         on_start(trainer)
     ref = controller.run.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll)
+    return _drive(trainer, controller, ref, cleanup=cleanup)
+
+
+def _drive(trainer: Any, controller: Any, ref: Any, cleanup: Any) -> dict[str, int]:
+    """Run the trainer side here while the rollout side runs in its actor; either one's
+    end or death ends the run, and both sides are gone when this returns."""
+    from areal_like.core import actors
+
     last_check = [0.0]
 
     def check_rollout() -> None:
         if time.time() - last_check[0] < 1.0:
             return
         last_check[0] = time.time()
-        done, _ = ray.wait([ref], timeout=0)
+        done, _ = actors.wait([ref], timeout=0)
         if done:
             try:
-                out = ray.get(ref)
+                out = actors.get(ref)
             except Exception as e:
                 raise RuntimeError(_rollout_death_message(e)) from e
             raise RuntimeError(f"the rollout side stopped before the trainer finished: {out}")
@@ -143,16 +206,13 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     finished = False
     try:
         summary = trainer.run()
-        ready, _ = ray.wait([ref], timeout=60)
+        ready, _ = actors.wait([ref], timeout=60)
         if ready:
             finished = True
-            log.info("rollout side finished: %s", ray.get(ref))
+            log.info("rollout side finished: %s", actors.get(ref))
         return summary
     finally:
         if not finished:
-            ray.kill(controller, no_restart=True)  # its server actors go with it
+            actors.kill(controller)  # its server actors go with it
         trainer.close()
-        for pg in (pg_roll, pg_train):
-            remove_placement_group(pg)
-        if started_ray:
-            ray.shutdown()
+        cleanup()

@@ -32,8 +32,10 @@ class RolloutSide:
     rollout side runs alone)."""
 
     def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
-                 user: dict[str, Any] | None = None, placement_group: Any = None) -> None:
+                 user: dict[str, Any] | None = None, placement_group: Any = None, launcher: Any = None) -> None:
         self.cfg = cfg
+        self.launcher = launcher
+        """The local launcher's zygote (`local_actors.Zygote`): servers as plain processes, no Ray."""
         self.user = user or {}
         """Objects given through the Python API instead of the config: `rows`, `eval_rows`,
         `reward_fn`, `tools`, `loops` (docs/design.md §9.10)."""
@@ -55,7 +57,7 @@ class RolloutSide:
         receive a later one (they must not start episodes on older weights)."""
 
     def run(self) -> dict[str, Any]:
-        own_ray = self._ensure_ray()
+        own_ray = self._ensure_ray() if self.launcher is None else False
         try:
             return asyncio.run(self.main())
         finally:
@@ -92,7 +94,7 @@ class RolloutSide:
         cfg = self.cfg
         logging.getLogger().setLevel(cfg.run.log_level)
         own_pg = None
-        if self.placement_group is None:
+        if self.placement_group is None and self.launcher is None:
             from areal_like.orchestration.pools import place, rollout_bundles
 
             self.placement_group = own_pg = await asyncio.to_thread(
@@ -157,7 +159,7 @@ class RolloutSide:
         cfg = self.cfg
         model_path = resolve_model_path(cfg)
         self.tokenizer = load_tokenizer(model_path)
-        self.pool = ServerPool(cfg, model_path, self.placement_group)
+        self.pool = ServerPool(cfg, model_path, self.placement_group, launcher=self.launcher)
         servers = await self.pool.start()
         self.manager = ServerManager(
             servers,
@@ -255,7 +257,10 @@ class RolloutSide:
         manager = self.manager.metrics()
         busy = any(m.get("running", 0.0) > 0 or m.get("queue_depth", 0.0) > 0 for m in per)
         generated = total("generated_tokens")
+        cpu = time.process_time() + total("process_cpu_s")
         return RolloutCounters(
+            rollout_cpu_s=cpu,
+            rollout_cores_used=max(0.0, self._rates.rate("cpu", cpu, window_s=2.0)),
             generated_tokens=generated,
             interrupts=total("interrupts"),
             interrupted_tokens=total("interrupted_tokens"),
@@ -278,9 +283,9 @@ class RolloutSide:
 
 
 def _is_actor_death(error: BaseException) -> bool:
-    from ray.exceptions import RayActorError
+    from areal_like.core.actors import is_actor_death
 
-    return isinstance(error, RayActorError)
+    return is_actor_death(error)
 
 
 def _headline(error: BaseException) -> str:
@@ -295,15 +300,22 @@ class _Rates:
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[float, float]] = {}
+        self._rate: dict[str, float] = {}
         self._idle_t = 0.0
         self._all_t = 0.0
         self._t = time.time()
 
-    def rate(self, key: str, value: float) -> float:
+    def rate(self, key: str, value: float, window_s: float = 0.0) -> float:
+        """Change per second since the previous call; with `window_s`, since the first call
+        at least that long ago (the last rate is repeated meanwhile), so reports that come
+        close together do not make it noise."""
         now = time.time()
         t0, v0 = self._last.get(key, (now, value))
+        if window_s and now - t0 < window_s and key in self._rate:
+            return self._rate[key]
         self._last[key] = (now, value)
-        return (value - v0) / (now - t0) if now > t0 else 0.0
+        self._rate[key] = (value - v0) / (now - t0) if now > t0 else 0.0
+        return self._rate[key]
 
     def idle(self, idle_now: bool) -> float:
         now = time.time()

@@ -26,10 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class ServerPool:
-    def __init__(self, cfg: ExperimentConfig, model_path: Path, placement_group: Any) -> None:
+    def __init__(self, cfg: ExperimentConfig, model_path: Path, placement_group: Any, launcher: Any = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.placement_group = placement_group
+        self.launcher = launcher
+        """A local launcher's zygote (`local_actors.Zygote`): servers are plain processes."""
         self.names = [f"server-{i}" for i in range(cfg.rollout.num_servers)]
         self.actors: dict[str, Any] = {}
         self.info: dict[str, dict[str, Any]] = {}
@@ -46,6 +48,8 @@ class ServerPool:
 
     # ---- starting ---------------------------------------------------------------------
     def _spawn(self, name: str) -> Any:
+        if self.launcher is not None:
+            return self._spawn_local(name)
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -67,16 +71,27 @@ class ServerPool:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group, placement_group_bundle_index=i),
         )
-        return actor.remote(
-            name, str(self.model_path), cfg.rollout.engine.model_dump(mode="json"),
+        args, kwargs = self._server_args(i)
+        return actor.remote(*args, **kwargs)
+
+    def _server_args(self, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        cfg = self.cfg
+        return (self.names[i], str(self.model_path), cfg.rollout.engine.model_dump(mode="json")), dict(
             interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i,
             threads=cfg.rollout.server_threads, weight_sync=cfg.weight_sync.model_dump(mode="json"),
             default_disk_path=str(Path(cfg.run.dir) / "weight_sync"), log_level=cfg.run.log_level,
-            log_file=str(run_log_path(cfg.run.dir)), console=cfg.run.verbose,
-        )
+            log_file=str(run_log_path(cfg.run.dir)), console=cfg.run.verbose)
+
+    def _spawn_local(self, name: str) -> Any:
+        from rollout_cluster.server_actor import ServerActor
+
+        args, kwargs = self._server_args(self.names.index(name))
+        stdio = None if self.cfg.run.verbose else str(run_log_path(self.cfg.run.dir))
+        return self.launcher.spawn(ServerActor, args, kwargs, name=name, threads=self.cfg.rollout.server_threads,
+                                   env={"TOKENIZERS_PARALLELISM": "false"}, stdio=stdio)
 
     async def _start_one(self, name: str) -> Any:
-        handle = self._spawn(name)
+        handle = await asyncio.to_thread(self._spawn, name) if self.launcher is not None else self._spawn(name)
         try:
             info = await handle.start.remote()
         except BaseException:
@@ -125,8 +140,8 @@ class ServerPool:
             donor = next((n for n in self.names if n in self._alive and n != name
                           and self.versions.get(n, -1) >= loaded_version), None)
             if donor is not None:
-                try:  # sibling to sibling through Ray's object store: a restart, not the sync path
-                    exported = self.actors[donor].export_weights.remote()
+                try:  # sibling to sibling through this process: a restart, not the sync path
+                    exported = await self.actors[donor].export_weights.remote()
                     self.versions[name] = max(self.versions[name], await handle.load_weights.remote(exported))
                     log.info("rollout server %s: v%d copied from %s", name, self.versions[name], donor)
                 except Exception as e:  # vLLM cannot export; a donor may die meanwhile
@@ -226,18 +241,15 @@ class ServerPool:
 
 
 def _is_actor_death(error: BaseException) -> bool:
-    from ray.exceptions import RayActorError
+    from areal_like.core.actors import is_actor_death
 
-    return isinstance(error, RayActorError)
+    return is_actor_death(error)
 
 
 def _kill(handle: Any) -> None:
-    import ray
+    from areal_like.core.actors import kill
 
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # already gone
-        pass
+    kill(handle)
 
 
 def _first_line(error: BaseException) -> str:

@@ -6,10 +6,11 @@ user alike can see what the first step waited for. Phases are cumulative offsets
 the process start (interpreter start-up and imports included), in the order reached:
 
 - `imports`: the CLI has parsed the command and loaded the config;
-- `ray`: Ray is up (started, or joined);
-- `pools`: both placement groups are placed;
+- `ray`: Ray is up (started, or joined); not under the local launcher;
+- `pools`: both placement groups are placed; not under the local launcher;
 - `trainer_side`: run folder, dashboard and channels are up;
-- `train_workers`: the train workers have started and loaded the model;
+- `train_workers`: the train workers have started and loaded the model (the local
+  launcher's zygote imports first, alongside the driver);
 - `weight_group`: rank 0's weight sender is ready;
 - `rollout_joined`: the rollout controller said hello (its servers are up);
 - `first_group`: the first trajectory group arrived;

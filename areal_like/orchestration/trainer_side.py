@@ -24,7 +24,8 @@ class TrainerSide:
     """The train cluster's driver: run folder, workers, sender, channels, controller."""
 
     def __init__(self, cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False,
-                 placement_group: Any = None, on_step: Any = None, check_peers: Any = None) -> None:
+                 placement_group: Any = None, on_step: Any = None, check_peers: Any = None,
+                 launcher: Any = None) -> None:
         from areal_like.core.metrics import MetricsLog, MetricsRegistry
         from areal_like.orchestration.channels import ControlPublisher, DataPuller
         from areal_like.orchestration.run_dir import RunDir
@@ -50,7 +51,8 @@ class TrainerSide:
         from areal_like.orchestration import startup
 
         startup.mark("imports")  # `areal-like train`: the first phase it passes
-        startup.mark("ray")
+        if launcher is None:
+            startup.mark("ray")
         log.info("dashboard: %s", self.dashboard_url)
         self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20),
                                  epoch=self.epoch, heartbeat_s=cfg.transport.heartbeat_s,
@@ -60,6 +62,7 @@ class TrainerSide:
         """Rank 0's weight sender (made with the workers in `run`)."""
         self.resume = resume
         self.placement_group = placement_group
+        self.launcher = launcher
         self.on_step = on_step
         self.check_peers = check_peers
         self.group: Any = None
@@ -77,7 +80,8 @@ class TrainerSide:
         cfg = self.cfg
         # torch (DDP/FSDP) or megatron (TP × DP): one Ray actor per rank either way
         self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                      placement_group=self.placement_group, log_level=cfg.run.log_level,
+                                      placement_group=self.placement_group, launcher=self.launcher,
+                                      log_level=cfg.run.log_level,
                                       log_file=run_log_path(cfg.run.dir), console=cfg.run.verbose)
         trainer = self.group
         from areal_like.orchestration import startup

@@ -8,6 +8,7 @@ process; counters here add only what is new.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from areal_like.core.buffer import TrajectoryBuffer
@@ -26,6 +27,8 @@ class TrainerTelemetry:
         self._pauses_seen = 0.0
         self._rewards_seen: tuple[str, int, float] = ("", 0, 0.0)
         self._rewards_now: tuple[str, int, float] = ("", 0, 0.0)
+        self._cpu_seen: tuple[float, float] | None = None
+        """(time, the train workers' CPU seconds) at the previous step."""
 
     def train_step(self, groups: list[TrajectoryGroup], v: int, new_v: int, skipped: bool,
                    stats: dict[str, float], buffer: TrajectoryBuffer) -> dict[str, Any]:
@@ -82,6 +85,13 @@ class TrainerTelemetry:
             rec["rollout_version"] = rollout_version
         rec["trainer_idle_ratio"] = trainer_idle_ratio
         self.m.idle_ratio.labels(pool="train").set(trainer_idle_ratio)
+        rec.pop("cpu_s", None)  # rank 0's own total: train_cpu_s sums every rank
+        if "train_cpu_s" in rec:  # cores the train workers used since the previous step
+            now, used = time.time(), float(rec["train_cpu_s"])
+            if self._cpu_seen is not None and now > self._cpu_seen[0]:
+                rec["train_cores_used"] = max(0.0, (used - self._cpu_seen[1]) / (now - self._cpu_seen[0]))
+                self.m.cores_used.labels(pool="train").set(rec["train_cores_used"])
+            self._cpu_seen = (now, used)
         self.mlog.write("train_step", rec["step"], **rec)
 
     def sampled_reward(self, rec: dict[str, Any]) -> None:
@@ -127,6 +137,7 @@ class TrainerTelemetry:
             self.m.pause_resume.observe(c.pause_resume_latency_s_max)
         self.m.tokens_per_s.labels(pool="rollout").set(c.gen_tokens_per_s)
         self.m.idle_ratio.labels(pool="rollout").set(c.rollout_idle_ratio)
+        self.m.cores_used.labels(pool="rollout").set(c.rollout_cores_used)
 
 
 def _hist(values: list[int]) -> dict[str, int]:

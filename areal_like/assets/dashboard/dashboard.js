@@ -21,6 +21,7 @@
     { id: "chart-buffer", step: true, series: [["buffer_depth", "buffer depth"]] },
     { id: "chart-throughput", series: [["gen_tokens_per_s", "generation"], ["train_tokens_per_s", "training"]] },
     { id: "chart-idle", yMax: 1, series: [["trainer_idle_ratio", "trainer pool"], ["rollout_idle_ratio", "rollout pool"]] },
+    { id: "chart-cores", series: [["train_cores_used", "train pool"], ["rollout_cores_used", "rollout pool"]] },
     { id: "chart-interrupts", step: true, series: [["interrupted_tokens", "interrupted tokens"],
       ["recompute_tokens", "recompute tokens"]], extra: [["interrupts", "interrupts"]] },
     { id: "chart-pause-resume", series: [["pause_resume_latency_s_max", "pause→resume (max)"]] },

@@ -1,0 +1,491 @@
+"""Actors as plain processes, for the single-machine default (`cluster.launcher: local`).
+
+Ray costs the embedded quickstart about ten seconds before its first step: its own
+daemons start, then every actor is a fresh interpreter that imports torch and
+transformers again, one after the other (docs/benchmarks.md, start-up). On one machine
+none of that is needed. This module gives the same actor bodies (`_TrainWorker`,
+`RolloutControllerActor`, `ServerActor`) processes of their own without Ray:
+
+- a **zygote** process starts first and imports the heavy modules once; every actor is
+  `fork()`ed from it on request, so a new actor costs milliseconds, not an import;
+  the zygote is single-threaded when it forks, so the child is clean;
+- an actor talks to whoever asked for it over a Unix socket pair (the requester's end
+  never leaves this machine): calls and results are pickled frames between two of our
+  own processes, never a network peer (network wires stay msgpack, docs/design.md §9.7);
+  the zygote forks only for processes of its own user (SO_PEERCRED), and a requester
+  talks only to a zygote of its own user;
+- the handle mimics the part of Ray's API the launch code uses: `handle.method.remote()`
+  returns a ref that is awaitable (asyncio) or resolved with `get`/`wait`; a method
+  that raised re-raises its own exception in the caller; an actor whose process is
+  gone fails every pending and later call with `ActorDiedError`;
+- any process may ask the zygote for an actor (the rollout controller starts its
+  servers this way, a restart too), by the zygote's socket address;
+- fate: an actor exits when its requester's end closes (the requester died or killed
+  it), the zygote when the process that started it goes.
+
+`get`, `wait`, `kill` and `is_actor_death` accept Ray's refs and handles too, so the
+worker group and the server pool are written once for both launchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import itertools
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["choose_launcher", "ActorDiedError", "LocalActor", "LocalRef", "Zygote", "get", "wait", "kill", "is_actor_death"]
+
+from areal_like.core.actors import ActorDiedError, LocalRef, get, is_actor_death, kill, wait  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+PRELOAD = (
+    "torch", "transformers", "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
+    "torch.optim", "safetensors.torch", "zmq", "msgpack", "pydantic", "tokenizers",
+    "areal_like.core.config", "areal_like.core.types", "areal_like.orchestration.rollout_side",
+    "rollout_cluster.server_actor", "rollout_cluster.server", "rollout_cluster.engine.embedded",
+    "rollout_cluster.agent_loop.runner", "train_cluster.worker_group", "train_cluster.torch_engine",
+    "weight_sync",
+)
+"""Imported by the zygote before it forks anything: what every actor would import."""
+
+
+# ---------------------------------------------------------------------------------------
+# the caller's side
+# ---------------------------------------------------------------------------------------
+class _Method:
+    def __init__(self, actor: LocalActor, name: str) -> None:
+        self.actor, self.actor_name = actor, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> LocalRef:
+        return self.actor._call(self.actor_name, args, kwargs)
+
+
+class LocalActor:
+    """A handle of an actor process (module docstring)."""
+
+    def __init__(self, sock: socket.socket, pid: int, name: str) -> None:
+        self._sock = sock
+        self._conn = Connection(sock.detach())
+        self.actor_pid = pid
+        self.actor_name = name
+        self._ids = itertools.count(1)
+        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._lock = threading.Lock()
+        self._dead: str | None = None
+        self._init_error: BaseException | None = None
+        self._reader = threading.Thread(target=self._read, name=f"actor-{name}", daemon=True)
+        self._reader.start()
+
+    def __getattr__(self, name: str) -> _Method:  # the actor's methods (this handle's own names start with _ or actor_)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def __repr__(self) -> str:
+        return f"LocalActor({self.actor_name}, pid {self.actor_pid})"
+
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LocalRef:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._dead is not None:
+                fut.set_exception(self._death())
+                return LocalRef(fut)
+            call_id = next(self._ids)
+            self._pending[call_id] = fut
+            try:
+                self._conn.send_bytes(pickle.dumps(("call", call_id, method, args, kwargs), protocol=5))
+            except (OSError, EOFError) as e:
+                self._pending.pop(call_id, None)
+                fut.set_exception(ActorDiedError(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {e}"))
+        return LocalRef(fut)
+
+    def _read(self) -> None:
+        why = "its process exited"  # killed, crashed, or out of memory
+        try:
+            while True:
+                kind, call_id, value = pickle.loads(self._conn.recv_bytes())
+                if call_id == 0:  # the constructor failed: every call fails with its error
+                    self._init_error = value
+                    continue
+                with self._lock:
+                    fut = self._pending.pop(call_id, None)
+                if fut is None:
+                    continue
+                if kind == "ok":
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+        except (EOFError, OSError) as e:
+            if not isinstance(e, EOFError):
+                why = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a frame we cannot read: the actor is unusable
+            why = f"unreadable reply ({type(e).__name__}: {e})"
+        with self._lock:
+            self._dead = why
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(self._death())
+
+    def _death(self) -> BaseException:
+        if self._init_error is not None:
+            return self._init_error
+        return ActorDiedError(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {self._dead}")
+
+    @property
+    def actor_alive(self) -> bool:
+        return self._dead is None
+
+    def actor_kill(self) -> None:
+        try:
+            os.kill(self.actor_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+
+def choose_launcher(cfg: Any, user: dict[str, Any] | None = None) -> str:
+    """`ray` or `local` for an `ExperimentConfig`'s `cluster.launcher` (docs/design.md
+    §10.15; here, light to import, so the CLI can start the zygote first): `auto` is `local`
+    when nothing needs Ray: no cluster to join, no GPUs, the embedded engine, and Python
+    objects from the API (reward functions, tools) that travel to a process by value."""
+    import pickle
+
+    c = cfg.cluster
+    if c.launcher != "auto":
+        if c.launcher == "local" and c.ray_address:
+            from areal_like.core.config import ConfigError
+
+            raise ConfigError("cluster.launcher=local starts plain processes on this machine: it cannot join "
+                              f"the Ray cluster at cluster.ray_address={c.ray_address} (use launcher ray)")
+        return c.launcher
+    gpus = (c.rollout_pool.num_gpus or 0) + (c.train_pool.num_gpus or 0)
+    engine = cfg.rollout.engine
+    if (c.ray_address or gpus or engine.type != "embedded" or getattr(engine, "device", "cpu") != "cpu"
+            or cfg.train.backend.device != "cpu"):
+        return "ray"
+    try:
+        pickle.dumps(user or {})
+    except Exception:  # a lambda or local function: Ray's cloudpickle carries it
+        return "ray"
+    return "local"
+
+
+# ---------------------------------------------------------------------------------------
+# the zygote
+# ---------------------------------------------------------------------------------------
+class Zygote:
+    """A client of the zygote at `address` (a Linux abstract Unix socket name)."""
+
+    def __init__(self, address: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+        self.address = address
+        self.proc = proc
+        self._ready = proc is None
+
+    @classmethod
+    def start(cls, preload: tuple[str, ...] = PRELOAD) -> Zygote:
+        """Start a zygote; it imports `preload` in the background while the caller goes on."""
+        address = f"areal-like-zygote-{os.getpid()}-{os.urandom(4).hex()}"
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.Popen([sys.executable, "-m", "areal_like.orchestration.local_actors", address,
+                                 ",".join(preload)], stdin=subprocess.PIPE, env=env)
+        return cls(address, proc)
+
+    def _connect(self, timeout_s: float = 120.0) -> socket.socket:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect("\0" + self.address)
+                if _peer_uid(s) != os.getuid():  # a name anyone could take: trust only our own user's
+                    s.close()
+                    raise RuntimeError(f"the process at {self.address} is not this user's zygote")
+                return s
+            except (FileNotFoundError, ConnectionRefusedError):
+                s.close()
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"the local actor zygote exited ({self.proc.returncode}) before it was "
+                                       "ready; see the log above") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the local actor zygote was not ready within {timeout_s:.0f}s") from None
+                time.sleep(0.02)
+
+    def spawn(self, cls: type, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *, name: str,
+              threads: int | None = None, env: dict[str, str] | None = None,
+              stdio: str | None = None) -> LocalActor:
+        """A new actor process running `cls(*args, **kwargs)`, with `threads` torch threads;
+        its stdout and stderr go to the file `stdio` when given."""
+        kwargs = kwargs or {}
+        target = f"{cls.__module__}:{cls.__qualname__}"
+        init = pickle.dumps(("init", target, args, kwargs), protocol=5)  # refuses what cannot travel, here
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        req = self._connect()
+        try:
+            head = json.dumps({"name": name, "threads": threads, "env": env or {}, "stdio": stdio}).encode()
+            socket.send_fds(req, [struct.pack("!I", len(head)) + head], [theirs.fileno()])
+            theirs.close()
+            pid = struct.unpack("!I", _recv_exact(req, 4))[0]
+        finally:
+            req.close()
+        actor = LocalActor(mine, pid, name)
+        actor._conn.send_bytes(init)
+        return actor
+
+
+    def close(self) -> None:
+        """Stop the zygote this process started (its actors go when their callers do)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except Exception:
+            self.proc.kill()
+
+
+def _peer_uid(s: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the zygote closed the connection")
+        buf += chunk
+    return buf
+
+
+def _zygote_main(address: str, preload: list[str]) -> None:
+    """Import `preload`, then fork one actor per request until stdin closes."""
+    _set_process_name("zygote")
+    for mod in preload:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # an optional module (no vLLM here): the actor imports what it needs
+            print(f"zygote: could not preload {mod}: {e}", file=sys.stderr)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0" + address)
+    srv.listen(64)
+
+    def reap(*_: Any) -> None:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+
+    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle (a graceful stop)
+    # The process that started us is gone (stdin closed): stop forking.
+    threading_free_watch = os.dup(0)
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ)
+    sel.register(threading_free_watch, selectors.EVENT_READ)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is not srv:
+                if not os.read(threading_free_watch, 4096):
+                    os._exit(0)
+                continue
+            try:
+                conn, _ = srv.accept()
+            except InterruptedError:
+                continue
+            if _peer_uid(conn) != os.getuid():  # only our own user's processes get an actor
+                print("zygote: refused a request from another user", file=sys.stderr)
+                conn.close()
+                continue
+            try:
+                msg, fds, _, _ = socket.recv_fds(conn, 65536, 1)
+                (n,) = struct.unpack("!I", msg[:4])
+                head = json.loads(msg[4:4 + n])
+            except Exception as e:
+                print(f"zygote: bad request: {e}", file=sys.stderr)
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                sel.close()
+                srv.close()
+                conn.close()
+                os.close(threading_free_watch)
+                os.close(0)
+                os.open(os.devnull, os.O_RDONLY)
+                _actor_main(fds[0], head)
+                os._exit(0)
+            for fd in fds:
+                os.close(fd)
+            try:
+                conn.sendall(struct.pack("!I", pid))
+            except OSError:
+                pass
+            conn.close()
+
+
+def _set_process_name(name: str) -> None:
+    """`areal-<name>` in ps/top (Linux keeps 15 bytes), as Ray names its actors `ray::<Class>`."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, f"areal-{name}"[:15].encode(), 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # not Linux, or no libc: the name is cosmetic
+        pass
+
+
+def _actor_main(fd: int, head: dict[str, Any]) -> None:
+    """In the forked child: build the object, then serve calls until the caller goes."""
+    _set_process_name(str(head.get("name", "actor")))
+    os.environ.update(head.get("env") or {})
+    if head.get("stdio"):  # Ray keeps an actor's prints in its logs; we keep them in the run's
+        out = os.open(head["stdio"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+    try:
+        os.setpgid(0, 0)  # a signal to the zygote's group is not one to us
+    except OSError:
+        pass
+    conn = Connection(fd)
+    threads = head.get("threads")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    try:
+        _, target, args, kwargs = pickle.loads(conn.recv_bytes())
+        mod, qual = target.split(":")
+        cls: Any = importlib.import_module(mod)
+        for part in qual.split("."):
+            cls = getattr(cls, part)
+        obj = cls(*args, **kwargs)
+    except EOFError:
+        return
+    except BaseException as e:
+        _send(conn, ("err", 0, _portable(e)))
+        return
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    tasks: set[asyncio.Task[Any]] = set()
+    # As Ray runs them: an actor with coroutine methods runs its plain methods on its event
+    # loop too; one without runs every call, in order, on one thread of its own (so a
+    # method may start its own event loop).
+    is_async = any(inspect.iscoroutinefunction(v) for _, v in inspect.getmembers(type(obj)))
+    worker = None if is_async else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="actor")
+
+    def reply(call_id: int, ok: bool, value: Any) -> None:
+        _send(conn, ("ok" if ok else "err", call_id, value if ok else _portable(value)))
+
+    def dispatch(msg: Any) -> None:
+        if msg is None:  # the caller is gone
+            loop.stop()
+            return
+        _, call_id, method, args, kwargs = msg
+        try:
+            fn = getattr(obj, method)
+            if inspect.iscoroutinefunction(fn):
+                async def run() -> None:
+                    try:
+                        reply(call_id, True, await fn(*args, **kwargs))
+                    except BaseException as e:  # noqa: BLE001 - returned to the caller
+                        reply(call_id, False, e)
+
+                t = loop.create_task(run())
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            elif worker is not None:
+                def run_sync() -> None:
+                    try:
+                        value = fn(*args, **kwargs)
+                    except BaseException as e:  # noqa: BLE001 - returned to the caller
+                        loop.call_soon_threadsafe(reply, call_id, False, e)
+                        return
+                    loop.call_soon_threadsafe(reply, call_id, True, value)
+
+                worker.submit(run_sync)
+            else:
+                reply(call_id, True, fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - returned to the caller
+            reply(call_id, False, e)
+
+    def read() -> None:
+        while True:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                msg = None
+            try:
+                loop.call_soon_threadsafe(dispatch, msg)
+            except RuntimeError:  # the loop is closed
+                return
+            if msg is None:
+                return
+
+    threading.Thread(target=read, name="actor-reader", daemon=True).start()
+    loop.run_forever()
+    os._exit(0)  # the caller is gone: so are we, whatever threads remain
+
+
+_send_lock = threading.Lock()
+
+
+def _send(conn: Connection, msg: Any) -> None:
+    try:
+        data = pickle.dumps(msg, protocol=5)
+    except Exception as e:  # an unpicklable result: say so instead of hanging the caller
+        data = pickle.dumps((msg[0] if msg[0] == "err" else "err", msg[1],
+                             RuntimeError(f"result could not be returned: {type(e).__name__}: {e}")), protocol=5)
+    with _send_lock:
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            pass
+
+
+def _portable(e: BaseException) -> BaseException:
+    """The exception itself when it pickles (so the caller can catch its type), else a
+    RuntimeError with its text; either way with the actor's traceback as a note."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(e))
+        out = e
+    except Exception:
+        out = RuntimeError(f"{type(e).__name__}: {e}")
+    try:
+        out.add_note(f"in actor process {os.getpid()}:\n{tb}")
+    except Exception:
+        pass
+    out.__traceback__ = None
+    out.__cause__ = out.__context__ = None
+    return out
+
+
+if __name__ == "__main__":
+    _zygote_main(sys.argv[1], [m for m in sys.argv[2].split(",") if m])

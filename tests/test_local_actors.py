@@ -1,0 +1,159 @@
+"""The local launcher's actors (areal_like/orchestration/local_actors.py), as the launch
+code meets them: real processes forked from a real zygote, real sockets, real kills."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from areal_like.orchestration import local_actors as actors
+from areal_like.orchestration.local_actors import ActorDiedError, Zygote
+from tests._actor_bodies import AsyncEcho, Echo, Picky
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote.start(preload=("tests._actor_bodies",))
+    yield z
+    z.close()
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        try:
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_calls_run_in_a_process_of_their_own_in_order(zygote) -> None:
+    a = zygote.spawn(Echo, ("e",), name="echo", threads=1)
+    refs = [a.hello.remote(i) for i in range(5)]
+    assert actors.get(refs) == [f"e:{i}:{i + 1}" for i in range(5)]  # in call order, one at a time
+    pid = actors.get(a.getpid.remote())
+    assert pid != os.getpid()
+    assert psutil.Process(pid).ppid() == zygote.proc.pid  # forked by the zygote, not by us
+    assert actors.get(a.threads.remote()) == 1
+    actors.kill(a)
+
+
+def test_an_error_comes_back_as_itself_with_the_actors_traceback(zygote) -> None:
+    a = zygote.spawn(Echo, ("e",), name="echo")
+    with pytest.raises(Picky, match="said the actor") as info:
+        actors.get(a.fail.remote())
+    assert any("in actor process" in n for n in getattr(info.value, "__notes__", []))
+    assert not actors.is_actor_death(info.value)
+    assert actors.get(a.hello.remote(1)) == "e:1:1"  # the actor goes on
+    actors.kill(a)
+
+
+def test_a_constructor_that_fails_fails_the_first_call(zygote) -> None:
+    a = zygote.spawn(Echo, (), name="broken")  # Echo needs a tag
+    with pytest.raises(TypeError):
+        actors.get(a.hello.remote(1), timeout=30)
+
+
+def test_async_methods_run_concurrently_and_refs_are_awaitable(zygote) -> None:
+    a = zygote.spawn(AsyncEcho, name="async")
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(a.nap.remote(0.3) for _ in range(4)))
+
+    t0 = time.time()
+    peaks = asyncio.run(main())
+    assert max(peaks) == 4  # all four were running at once
+    assert time.time() - t0 < 1.1  # not 4 x 0.3 s one after the other
+    actors.kill(a)
+
+
+def test_killed_actor_fails_pending_and_later_calls(zygote) -> None:
+    a = zygote.spawn(Echo, ("e",), name="victim")
+    pid = actors.get(a.getpid.remote())
+    pending = a.sleep.remote(30)
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)  # from outside, as the OOM killer would
+    with pytest.raises(ActorDiedError) as info:
+        actors.get(pending, timeout=10)
+    assert actors.is_actor_death(info.value)
+    with pytest.raises(ActorDiedError):
+        actors.get(a.hello.remote(1), timeout=10)
+    done, rest = actors.wait([a.hello.remote(2)], timeout=5)
+    assert done and not rest
+    assert _gone(pid)
+
+
+def test_wait_returns_what_is_done_within_the_timeout(zygote) -> None:
+    a = zygote.spawn(Echo, ("e",), name="waiter")
+    b = zygote.spawn(Echo, ("f",), name="waiter2")
+    slow, fast = a.sleep.remote(2.0), b.sleep.remote(0.05)
+    done, pending = actors.wait([slow, fast], num_returns=1, timeout=5)
+    assert done == [fast] and pending == [slow]
+    done, pending = actors.wait([slow], timeout=0)
+    assert done == [] and pending == [slow]
+    actors.kill(a)
+    actors.kill(b)
+
+
+def test_an_actor_goes_when_the_process_that_asked_for_it_dies(zygote, tmp_path) -> None:
+    """The rollout controller asks for its servers: when it dies, they must not linger."""
+    script = tmp_path / "asker.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(os.getcwd())!r})
+        from areal_like.orchestration import local_actors as actors
+        from areal_like.orchestration.local_actors import Zygote
+        from tests._actor_bodies import Echo
+        a = Zygote({zygote.address!r}).spawn(Echo, ("x",), name="orphan")
+        print(actors.get(a.getpid.remote()), flush=True)
+        time.sleep(600)
+    """))
+    asker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(asker.stdout.readline())
+        assert psutil.pid_exists(pid)
+        asker.kill()
+        asker.wait()
+        assert _gone(pid), "the actor outlived the process that asked for it"
+    finally:
+        asker.kill()
+
+
+def test_the_zygote_goes_with_the_process_that_started_it(tmp_path) -> None:
+    script = tmp_path / "starter.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(os.getcwd())!r})
+        from areal_like.orchestration import local_actors as actors
+        from areal_like.orchestration.local_actors import Zygote
+        from tests._actor_bodies import Echo
+        z = Zygote.start(preload=("tests._actor_bodies",))
+        a = z.spawn(Echo, ("x",), name="child")
+        print(z.proc.pid, actors.get(a.getpid.remote()), flush=True)
+        time.sleep(600)
+    """))
+    starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        zpid, apid = map(int, starter.stdout.readline().split())
+        starter.kill()
+        starter.wait()
+        assert _gone(zpid) and _gone(apid)
+    finally:
+        starter.kill()
+
+
+def test_what_cannot_travel_is_refused_at_the_caller(zygote) -> None:
+    with pytest.raises(Exception, match="pickle|lambda|local object"):
+        zygote.spawn(Echo, (lambda: 1,), name="nope")
