@@ -20,6 +20,7 @@ rollout side fed (`_while_waiting`) and checkpoints are calls out of it.
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import threading
 import time
@@ -75,7 +76,9 @@ def _disk_full(e: BaseException) -> bool:
 class TrainerHandle(Protocol):
     version: int
 
-    def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]: ...
+    def train_on(self, trajectories: list[Trajectory], poll: Any = None) -> dict[str, float]:
+        """`poll()`, when the handle takes it, is called now and then while the step runs."""
+        ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -150,6 +153,7 @@ class TrainerController:
         self.skips_in_a_row = 0
         self.busy_s = 0.0
         self._last_announce = 0.0
+        self._drops_unannounced = False
         self._fed_at = time.time()
         self._stopping = False
         self._sent_at = time.time()
@@ -308,8 +312,12 @@ class TrainerController:
 
     def _train_step(self, groups: list[TrajectoryGroup], v: int) -> dict[str, float]:
         """v → v+1, or skipped (non-finite loss or gradient: the version stays)."""
+        trajectories = [t for g in groups for t in g.trajectories]
         try:
-            stats = self.trainer.train_on([t for g in groups for t in g.trajectories])
+            if "poll" in inspect.signature(self.trainer.train_on).parameters:
+                stats = self.trainer.train_on(trajectories, poll=self._during_step)
+            else:
+                stats = self.trainer.train_on(trajectories)
         except Exception as e:
             if _disk_full(e):
                 raise
@@ -330,6 +338,20 @@ class TrainerController:
             if self.cfg.run.record_trajectories:
                 self.run_dir.append_trajectories(groups, consumed_at_version=v)
         return stats
+
+    def _during_step(self) -> None:
+        """While the workers train: take in what arrives, so groups dropped on arrival
+        (uniform rewards, over-stale, invalid) free their gate slots on the rollout side
+        now, not after the step, and announce that at once (at most every 0.1 s). At a
+        high reward most groups are uniform: waiting for the step to end held the gate
+        shut while the trainer was about to need them (docs/benchmarks.md, per step)."""
+        dropped = self.buffer.dropped_sent
+        self._drain(timeout_s=0.0)
+        if self.buffer.dropped_sent != dropped:
+            self._drops_unannounced = True
+        if self._drops_unannounced and time.time() - self._last_announce >= 0.1:
+            self._drops_unannounced = False
+            self._announce(force=True)
 
     def _publish_weights(self, rec: dict[str, Any]) -> None:
         """Snapshot the new version, announce it, wait (bounded) for the broadcast."""
