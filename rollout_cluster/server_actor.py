@@ -44,7 +44,8 @@ class ServerActor:
 
     def __init__(self, name: str, model_path: str, engine_config: dict[str, Any], *, interrupt_mode: str,
                  seed: int, threads: int, weight_sync: dict[str, Any], default_disk_path: str,
-                 log_level: str = "INFO", log_file: str | None = None, console: bool = True) -> None:
+                 log_level: str = "INFO", log_file: str | None = None, console: bool = True,
+                 lend: dict[str, Any] | None = None) -> None:
         from areal_like.core.logs import process_logging
 
         process_logging(name, log_level, log_file, console)
@@ -52,6 +53,8 @@ class ServerActor:
         self._args = (model_path, engine_config, interrupt_mode, seed, threads, weight_sync, default_disk_path)
         self.server: Any = None
         self.started_at = time.time()
+        self.lend = lend
+        """{"path", "index", "borrow"}: the machine's core ledger (docs/design.md §10.16)."""
 
     async def start(self) -> dict[str, Any]:
         """Build the engine and the weight receiver; returns `info()`. A failure raises
@@ -83,6 +86,12 @@ class ServerActor:
         receiver = make_receiver(ws_cfg, self.name, device="cpu" if device == "cpu" else device,
                                  default_disk_path=disk_path)
         self.server.attach_receiver(receiver, self.name, ws_cfg.timeout_s)
+        if self.lend and hasattr(self.server.engine, "lender"):  # the embedded engine on CPU
+            from areal_like.core.cores import CoreLedger, ThreadLender
+
+            ledger = CoreLedger(self.lend["path"], "rollout", int(self.lend["index"]))
+            self.server.engine.lender = ThreadLender(ledger, own=threads, borrow=int(self.lend["borrow"]),
+                                                     other="train")
         return self.info()
 
     def device(self) -> str:
@@ -128,6 +137,9 @@ class ServerActor:
 
     def metrics(self) -> dict[str, float]:
         m = self.server.metrics() if self.server is not None else {}
+        lender = getattr(getattr(self.server, "engine", None), "lender", None)
+        if lender is not None:
+            m["borrowed_thread_s"] = lender.borrowed_s
         # CPU seconds of this process, every thread (the dashboard's cores used per pool);
         # a vLLM engine's own worker processes are not in it
         return {**m, "process_cpu_s": time.process_time()}

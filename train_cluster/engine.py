@@ -197,6 +197,14 @@ class TrainEngine(ABC):
 
     # ---- the shared algorithm ------------------------------------------------------------------
 
+    thread_lender: Any = None
+    """A `core.cores.ThreadLender` (set by the train worker on a shared machine): the thread
+    count is picked again before each mini-batch and each logprob pass."""
+
+    def _pick_threads(self) -> None:
+        if self.thread_lender is not None:
+            self.thread_lender.pick()
+
     def _mini_batch_step(self, mini: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Accumulate gradients over the packed micro-batches of one mini-batch; clip.
 
@@ -205,6 +213,7 @@ class TrainEngine(ABC):
         gradients over ranks), so the summed gradient is that of the whole mini-batch
         as one batch, however it is split.
         """
+        self._pick_threads()
         loss_cfg = self.loss_cfg
         counts = torch.tensor([float(mini.num_loss_tokens), float(mini.num_seqs)], dtype=torch.float64)
         counts = self._all_reduce(counts)
@@ -272,6 +281,7 @@ class TrainEngine(ABC):
         return loss, sums, w_max
 
     def _logprobs_with(self, forward: Any, batch: TrainBatch) -> torch.Tensor:
+        self._pick_threads()
         self._train_mode(False)
         out = torch.zeros(batch.num_tokens, dtype=torch.float32)
         offs = batch.offsets().tolist()

@@ -81,8 +81,9 @@ class _TrainWorker:
         return f"{ip}:{free_port(ip)}"
 
     def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str,
-              seed: int) -> tuple[int, int]:
-        """Join the group, build the engine the backend asks for; returns (version, dp rank)."""
+              seed: int, lend: dict[str, Any] | None = None) -> tuple[int, int]:
+        """Join the group, build the engine the backend asks for; returns (version, dp rank).
+        `lend` ({"path", "borrow"}): the machine's core ledger (docs/design.md §10.16)."""
         from train_cluster.torch_engine import TorchTrainEngine, init_train_group
 
         cfg = TrainConfig.model_validate(train_cfg)
@@ -96,13 +97,32 @@ class _TrainWorker:
             self.engine = MegatronTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
             return self.engine.version, self.engine.dp_rank
         self.engine = TorchTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
+        if lend and cfg.backend.device == "cpu":
+            from areal_like.core.cores import CoreLedger, ThreadLender
+
+            self.ledger = CoreLedger(lend["path"], "train", self.rank)
+            self.ledger.working(False)
+            self.engine.thread_lender = ThreadLender(self.ledger, own=cfg.backend.threads,
+                                                     borrow=int(lend["borrow"]), other="rollout")
         return self.engine.version, self.rank
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         import time
 
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:
+            ledger.working(True)
+        try:
+            stats = self.engine.train_step(batch)
+        finally:
+            if ledger is not None:
+                ledger.working(False)
+                self.engine.thread_lender.done()
         # this process's CPU seconds so far, every thread: the train pool's cores used
-        return {**self.engine.train_step(batch), "cpu_s": time.process_time()}
+        stats = {**stats, "cpu_s": time.process_time()}
+        if ledger is not None:
+            stats["borrowed_thread_s"] = self.engine.thread_lender.borrowed_s
+        return stats
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.engine.compute_logprobs(batch)
@@ -185,6 +205,7 @@ class TrainWorkerGroup:
         log_file: str | Path | None = None,
         console: bool = True,
         launcher: Any = None,
+        lend: dict[str, Any] | None = None,
     ) -> None:
         from areal_like.core import actors
 
@@ -222,7 +243,7 @@ class TrainWorkerGroup:
             self.workers = self._ray_workers(options, placement_group, log_level, log_file, console)
         store = actors.get(self.workers[0].store_addr.remote())
         cfg = train_cfg.model_dump(mode="json")
-        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed)
+        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed, lend)
                                      for w in self.workers], "setup")
         self._version = setups[0][0]
         self._dp_ranks = [int(dp) for _, dp in setups]  # each worker's data shard
@@ -264,7 +285,11 @@ class TrainWorkerGroup:
         stats = _get(self.workers, [w.train_step.remote(parts[dp])
                                     for w, dp in zip(self.workers, self._dp_ranks, strict=True)], "train_step")
         self._version = int(stats[0]["version"])
-        return {**stats[0], "train_cpu_s": sum(s.get("cpu_s", 0.0) for s in stats)}
+        out = {**stats[0], "train_cpu_s": sum(s.get("cpu_s", 0.0) for s in stats)}
+        if any("borrowed_thread_s" in s for s in stats):  # summed over ranks, like the CPU
+            out["train_borrowed_thread_s"] = sum(s.get("borrowed_thread_s", 0.0) for s in stats)
+        out.pop("borrowed_thread_s", None)
+        return out
 
     def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One train step on a batch of trajectories: group-normalised advantages, packing

@@ -460,6 +460,11 @@ class ClusterConfig(_Section):
     every server on this machine, CPU only, starting in a few seconds. `auto`: `local`
     when the run needs nothing Ray gives (no `ray_address`, no GPUs, embedded engine),
     else `ray`."""
+    lend_idle_threads: bool = True
+    """On one machine, CPU only: a pool with no work lends its torch threads to the other
+    (the train workers add the rollout pool's threads while no server has had work for
+    0.1 s; the servers add the train pool's while the trainer waits for data), through a
+    ledger file in run.dir (docs/design.md §10.16). Off: each pool keeps its own."""
     ray_address: str | None = None
     """Existing Ray cluster to join; None starts an embedded local one."""
     allow_unauthenticated_ray: bool = False

@@ -326,6 +326,9 @@ class RolloutCounters(_Strict):
     servers' own processes; a restarted server starts again from 0)."""
     rollout_cores_used: float = 0.0
     """CPU cores the rollout side used since its previous report (CPU seconds / wall)."""
+    rollout_borrowed_thread_s: float = 0.0
+    """Seconds the servers generated with threads borrowed from an idle train pool
+    (`cluster.lend_idle_threads`), summed over servers."""
     servers: float = 0.0
     server_failures: float = 0.0
     generate_retries: float = 0.0

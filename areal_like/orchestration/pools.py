@@ -16,6 +16,7 @@ what it needs and what the cluster has free.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from areal_like.core.config import ConfigError, ExperimentConfig
@@ -118,3 +119,22 @@ def place(name: str, bundles: list[dict[str, float]], strategy: str = "PACK", ti
 
 def _fmt(res: dict[str, float]) -> str:
     return ", ".join(f"{v:g} {k}" for k, v in sorted(res.items()))
+
+
+def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
+    """Where the pools' core ledger lives and how many threads each pool may borrow
+    (`cluster.lend_idle_threads`, docs/design.md §10.16), or None: only CPU pools on one
+    machine (no `cluster.ray_address`) lend."""
+    c = cfg.cluster
+    engine = cfg.rollout.engine
+    if (not c.lend_idle_threads or c.ray_address or engine.type != "embedded"
+            or getattr(engine, "device", "cpu") != "cpu" or cfg.train.backend.device != "cpu"
+            or cfg.train.backend.type != "torch"):
+        return None
+    backend = cfg.train.backend
+    rollout_threads = cfg.rollout.num_servers * cfg.rollout.server_threads
+    train_threads = backend.world_size * backend.threads
+    # per process: the other pool's threads shared among this pool's processes
+    return {"path": str(Path(cfg.run.dir) / ".cores"),
+            "train_borrow": rollout_threads // backend.world_size,
+            "rollout_borrow": train_threads // cfg.rollout.num_servers}

@@ -260,6 +260,7 @@ class RolloutSide:
         cpu = time.process_time() + total("process_cpu_s")
         return RolloutCounters(
             rollout_cpu_s=cpu,
+            rollout_borrowed_thread_s=total("borrowed_thread_s"),
             rollout_cores_used=max(0.0, self._rates.rate("cpu", cpu, window_s=2.0)),
             generated_tokens=generated,
             interrupts=total("interrupts"),

@@ -75,8 +75,13 @@ class ServerPool:
         return actor.remote(*args, **kwargs)
 
     def _server_args(self, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        from areal_like.orchestration.pools import thread_lending
+
         cfg = self.cfg
+        lending = thread_lending(cfg)
+        lend = {"path": lending["path"], "index": i, "borrow": lending["rollout_borrow"]} if lending else None
         return (self.names[i], str(self.model_path), cfg.rollout.engine.model_dump(mode="json")), dict(
+            lend=lend,
             interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i,
             threads=cfg.rollout.server_threads, weight_sync=cfg.weight_sync.model_dump(mode="json"),
             default_disk_path=str(Path(cfg.run.dir) / "weight_sync"), log_level=cfg.run.log_level,

@@ -79,7 +79,11 @@ class TrainerSide:
 
         cfg = self.cfg
         # torch (DDP/FSDP) or megatron (TP × DP): one Ray actor per rank either way
-        self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed,
+        from areal_like.orchestration.pools import thread_lending
+
+        lending = thread_lending(cfg)
+        lend = {"path": lending["path"], "borrow": lending["train_borrow"]} if lending else None
+        self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed, lend=lend,
                                       placement_group=self.placement_group, launcher=self.launcher,
                                       log_level=cfg.run.log_level,
                                       log_file=run_log_path(cfg.run.dir), console=cfg.run.verbose)

@@ -95,6 +95,9 @@ class AsyncEngine:
         self._updating = False
         self._paused = False
         self._closed = False
+        self.lender: Any = None
+        """A `core.cores.ThreadLender` (set by the server actor on a shared machine): the
+        engine says when it has work, and picks its thread count before each step."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -242,6 +245,9 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not self._commands and (self._paused or not self.engine.has_unfinished()):
+                    if self.lender is not None:
+                        self.lender.done()
+                        self.lender.ledger.working(False)
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
@@ -252,6 +258,9 @@ class AsyncEngine:
                 self._handle(command)
             if self._paused or not self.engine.has_unfinished():
                 continue
+            if self.lender is not None:
+                self.lender.ledger.working(True)
+                self.lender.pick()
             try:
                 outs = self.engine.step()
             except Exception as e:  # a broken step must not hang every caller

@@ -1,0 +1,80 @@
+"""A pool with no work lends its threads (areal_like/core/cores.py, docs/design.md §10.16)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_like.core.cores import CoreLedger, ThreadLender
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_pool_is_idle_only_when_every_process_of_it_is(tmp_path) -> None:
+    path = tmp_path / ".cores"
+    s0, s1 = CoreLedger(path, "rollout", 0), CoreLedger(path, "rollout", 1)
+    trainer = CoreLedger(path, "train", 0)
+    assert trainer.idle_for("rollout") == 0.0  # nobody wrote yet: a pool we cannot see lends nothing
+    s0.working(True)
+    s1.working(False)
+    assert trainer.idle_for("rollout") == 0.0  # one server still has work
+    s0.working(False)
+    time.sleep(0.05)
+    assert trainer.idle_for("rollout") >= 0.04
+    s1.working(True)
+    assert trainer.idle_for("rollout") == 0.0
+    assert s0.idle_for("train") == 0.0  # the trainer never wrote
+
+
+def test_the_lender_borrows_while_the_other_pool_is_idle_and_gives_back(tmp_path) -> None:
+    path = tmp_path / ".cores"
+    server = CoreLedger(path, "rollout", 0)
+    trainer = CoreLedger(path, "train", 0)
+    before = torch.get_num_threads()
+    lender = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.05)
+    try:
+        server.working(True)
+        assert lender.pick() == 1 and torch.get_num_threads() == 1
+        server.working(False)
+        assert lender.pick() == 1  # not idle for the grace period yet
+        time.sleep(0.06)
+        assert lender.pick() == 2 and torch.get_num_threads() == 2
+        time.sleep(0.02)
+        lender.done()
+        assert lender.borrowed_s >= 0.02
+        server.working(True)
+        assert lender.pick() == 1 and torch.get_num_threads() == 1  # given back at the next check
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("lend", [True, False])
+def test_a_run_borrows_threads_only_when_lending_is_on(tiny_model_dir, tmp_path, lend) -> None:
+    """The quickstart shape: each pool records the seconds it ran on borrowed threads."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    sets = [f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.total_steps=4", "train.batch_size=2",
+            "rollout.group_size=4", "rollout.response_length=24", "staleness.filter_uniform_groups=false",
+            "eval.every_n_steps=0", f"cluster.lend_idle_threads={str(lend).lower()}"]
+    p = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "run", "configs/quickstart.yaml",
+                        *[x for s in sets for x in ("--set", s)]], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=280)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    trained = [r.get("train_borrowed_thread_s") for r in recs if r["kind"] == "train_step"]
+    served = [r.get("rollout_borrowed_thread_s", 0.0) for r in recs if r["kind"] == "rollout"]
+    if lend:
+        # the servers wait for the trainer's first steps and the trainer for the first groups:
+        # each pool has run on the other's threads
+        assert trained[-1] > 0 and max(served) > 0, (trained, served)
+        assert (run_dir / ".cores").is_file()
+    else:
+        assert all(t is None for t in trained) and max(served, default=0.0) == 0.0
+        assert not (run_dir / ".cores").exists()
