@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import statistics
+import sys
 import tempfile
 import time
 
@@ -28,12 +29,12 @@ from train_cluster.torch_engine import TorchTrainEngine
 logger = logging.getLogger("bench.train_step")
 
 
-def _trajectories(n: int, vocab: int, seed: int) -> list[Trajectory]:
+def _trajectories(n: int, vocab: int, seed: int, lo: int = 64, hi: int = 128) -> list[Trajectory]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        total = rng.randint(64, 128)
-        p = 24
+        total = rng.randint(lo, hi)
+        p = min(24, total - 8)
         r = total - p
         out.append(Trajectory(
             episode_id=f"e{i}", group_id=f"g{i // 8}",
@@ -54,6 +55,10 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per train step (quickstart: 4)")
+    ap.add_argument("--lengths", default="64,128", help="sequence lengths drawn from LO,HI (quickstart: ~35,60)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the N functions that took the most time over the timed steps (cProfile)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -62,22 +67,40 @@ def main() -> None:
         from areal_like.models.tiny_model import init_model
 
         model = str(init_model(tempfile.mkdtemp(prefix="bench_model_"), seed=0))
-    cfg = TrainConfig(token_budget=args.token_budget, backend=TorchBackendConfig(threads=args.threads))
+    cfg = TrainConfig(token_budget=args.token_budget, mini_batches=args.mini_batches,
+                      backend=TorchBackendConfig(threads=args.threads))
+    lo, hi = (int(x) for x in args.lengths.split(","))
     engine = TorchTrainEngine(model, cfg)
     vocab = engine._module.config.vocab_size
-    batches = [build_batch(_trajectories(args.batch, vocab, s), cfg.loss) for s in range(args.steps + 1)]
+    batches = [build_batch(_trajectories(args.batch, vocab, s, lo, hi), cfg.loss) for s in range(args.steps + 1)]
     engine.train_step(batches[0])  # warm-up (allocator, kernels)
-    rates, times = [], []
+    rates, times, prox = [], [], []
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     for i, b in enumerate(batches[1:]):
         t0 = time.perf_counter()
         stats = engine.train_step(b)
         dt = time.perf_counter() - t0
         rates.append(b.num_tokens / dt)
         times.append(dt)
+        prox.append(stats["prox_time_s"])
         logger.info("step %d/%d: %d tokens in %.2fs = %.0f tok/s (prox %.2fs, loss %.4f)", i + 1, args.steps,
                     b.num_tokens, dt, rates[-1], stats["prox_time_s"], stats["loss"])
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
+        print(out.getvalue(), file=sys.stderr)
     print(json.dumps({
-        "bench": "train_step", "model_params": sum(p.numel() for p in engine._module.parameters()),
+        "bench": "train_step", "mini_batches": args.mini_batches, "lengths": [lo, hi],
+        "prox_time_s": statistics.median(prox), "model_params": sum(p.numel() for p in engine._module.parameters()),
         "batch_seqs": args.batch, "mean_tokens_per_step": statistics.mean(b.num_tokens for b in batches[1:]),
         "threads": args.threads, "token_budget": args.token_budget, "steps": args.steps,
         "tokens_per_s": statistics.median(rates), "step_time_s": statistics.median(times),

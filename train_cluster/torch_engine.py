@@ -247,12 +247,12 @@ class TorchTrainEngine(TrainEngine):
 
     def _forward_logits(self, mb: TrainBatch) -> torch.Tensor:
         with self._autocast():
-            return _hf_packed_logits(self._model, mb, self.device)
+            return _hf_logits(self._model, mb, self.device)
 
     def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         def forward(mb: TrainBatch) -> torch.Tensor:
             with self._autocast():
-                return _hf_packed_logits(self._ref, mb, self.device)
+                return _hf_logits(self._ref, mb, self.device)
 
         with torch.no_grad():
             return self._logprobs_with(forward, batch)
@@ -286,6 +286,29 @@ class TorchTrainEngine(TrainEngine):
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+def _hf_logits(model: Any, mb: TrainBatch, device: torch.device) -> torch.Tensor:
+    """Logits [N, V] of a micro-batch's packed tokens, computed the cheaper way: one packed
+    row attends through a dense block-diagonal mask, so its attention costs (Σ len)²; a
+    right-padded batch is plain causal attention at n · max_len². For the quickstart's
+    ~16 sequences of ~50 tokens per micro-batch that is 10x less attention (forward and
+    backward): docs/benchmarks.md, per-step profile."""
+    lens = mb.seq_lens.tolist()
+    if len(lens) > 1 and len(lens) * max(lens) ** 2 < sum(lens) ** 2:
+        return _hf_padded_logits(model, mb, lens, device)
+    return _hf_packed_logits(model, mb, device)
+
+
+def _hf_padded_logits(model: Any, mb: TrainBatch, lens: list[int], device: torch.device) -> torch.Tensor:
+    """Right-padded rows, causal attention only (a real token never sees the padding after
+    it), logits gathered back in packed order."""
+    width = max(lens)
+    keep = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [n, width]
+    ids = torch.zeros(len(lens), width, dtype=mb.input_ids.dtype)
+    ids[keep] = mb.input_ids
+    logits = model(input_ids=ids.to(device), use_cache=False).logits
+    return logits[keep.to(device)]
 
 
 def _hf_packed_logits(model: Any, mb: TrainBatch, device: torch.device) -> torch.Tensor:

@@ -149,3 +149,19 @@ def test_one_mini_batch_takes_prox_from_the_training_forward(tiny_model_dir, tra
     assert stats["behav_prox_gap"] == pytest.approx(ref_stats["behav_prox_gap"], abs=1e-6)
     w, w_ref = dict(engine.named_weights()), dict(ref.named_weights())
     assert all(torch.allclose(w[n], w_ref[n], atol=1e-6) for n in w)
+
+
+def test_padded_and_packed_forwards_give_the_same_logits(tiny_model_dir, trajs) -> None:
+    """A micro-batch of several short sequences runs right-padded (causal attention, 10x less
+    than one packed row's block-diagonal mask at the quickstart's shape): same numbers."""
+    from train_cluster.torch_engine import _hf_logits, _hf_packed_logits
+
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig())
+    batch = build_batch(trajs(), LossConfig())
+    lens = batch.seq_lens.tolist()
+    assert len(lens) > 1 and len(lens) * max(lens) ** 2 < sum(lens) ** 2  # the padded path is taken
+    with torch.no_grad():
+        padded = _hf_logits(engine._model, batch, engine.device)
+        packed = _hf_packed_logits(engine._model, batch, engine.device)
+    assert padded.shape == packed.shape == (batch.num_tokens, packed.shape[-1])
+    torch.testing.assert_close(padded, packed, atol=1e-4, rtol=1e-4)
