@@ -159,3 +159,44 @@ def test_evaluations_reported_per_version() -> None:
 def test_final_version_is_always_evaluated(every: int, expected: list[int]) -> None:
     _, _, _, evals, _ = asyncio.run(_run(2, seed=4, eval_every=every))
     assert sorted(e.loaded_version for e in evals) == expected
+
+
+def test_weight_updates_queued_behind_a_slow_failure_are_skipped_to_the_newest() -> None:
+    """A weight update that fails after a timeout lets the trainer's announcements pile up;
+    the superseded metas among them are not loaded one by one (each slow, each already old:
+    the rollout side never caught up), only the newest, and the gate counts of every
+    announcement still apply, in order."""
+    calls: list[int] = []
+
+    async def apply_weights(meta: WeightUpdateMeta) -> int:
+        calls.append(meta.version)
+        if meta.version == 1:
+            await asyncio.sleep(0.3)  # a receiver waiting out its timeout
+            raise TimeoutError("no plan from the weight sender")
+        return meta.version
+
+    async def main() -> RolloutController:
+        async def send(msg) -> None:  # noqa: ANN001
+            pass
+
+        ctl = RolloutController(
+            gate=StalenessGate(8, 2, max_concurrent=8), source=PromptSource(_rows(), seed=0), group_size=4,
+            sampling=SamplingParams(temperature=1.0, max_tokens=8), run_episode=FakeRollout(0).run_episode,
+            score=FakeRollout(0).score, send=send, apply_weights=apply_weights, seed=0, stats_every_s=0.05,
+        )
+        ctl.announcements.put_nowait(VersionAnnouncement(version=0))
+        task = asyncio.create_task(ctl.run())
+        await asyncio.sleep(0.05)
+        ctl.announcements.put_nowait(VersionAnnouncement(version=1, weights=_meta(1)))
+        await asyncio.sleep(0.05)  # the update to v1 is under way
+        for v in (2, 3, 4):
+            ctl.announcements.put_nowait(VersionAnnouncement(version=v, weights=_meta(v)))
+        ctl.announcements.put_nowait(VersionAnnouncement(version=4, consumed=0))
+        await asyncio.sleep(0.5)
+        ctl.announcements.put_nowait(VersionAnnouncement(version=4, stop=True))
+        await asyncio.wait_for(task, 10)
+        return ctl
+
+    ctl = asyncio.run(main())
+    assert calls == [1, 4]
+    assert ctl.loaded_version == 4

@@ -13,7 +13,9 @@ What travels where:
   so a receiver needs no configuration beyond the meta: it connects to the store
   the meta names (a restarted trainer has a new nonce, and receivers reconnect).
 - Per transfer `seq`, the store carries a rendezvous: each receiver announces
-  `x{seq}/ready`, the sender publishes `x{seq}/plan` = {generation, members}.
+  `x{seq}/ready`, the sender publishes `x{seq}/plan` = {generation, members} and then
+  `latest` = seq. A receiver that comes to a transfer after the sender finished a later
+  one (its plan already deleted) learns so from `latest` at once and re-registers.
 - The bytes go by broadcast from rank 0: a 6-int64 header (magic, seq, version,
   generation, total bytes, tensor count) that proves both sides talk about the same
   transfer, then the flat layout of `meta.FlatLayout` in `bucket_mb` byte ranges,
@@ -317,7 +319,7 @@ class DistWeightSender(WeightSender):
             if not members:
                 self._drop_group()
                 self._members = []
-                self._ctl.set(f"x{seq}/plan", json.dumps({"generation": self._generation, "members": []}))
+                self._publish_plan(seq, {"generation": self._generation, "members": []})
                 stats.ok = True
                 log.info("weights v%d: no receiver in the weight group, nothing sent", meta.version)
                 return
@@ -327,8 +329,7 @@ class DistWeightSender(WeightSender):
                 self._generation += 1
                 self._members = members
             stats.generation, stats.receivers = self._generation, list(members)
-            self._ctl.set(f"x{seq}/plan", json.dumps({"generation": self._generation, "members": members,
-                                                      "device": self.device.type}))
+            self._publish_plan(seq, {"generation": self._generation, "members": members, "device": self.device.type})
             if self._group is None:
                 t_build = time.perf_counter()
                 self._group = _make_group(
@@ -375,6 +376,12 @@ class DistWeightSender(WeightSender):
                     stats.rendezvous_s,
                     stats.gb_per_s,
                 )
+
+    def _publish_plan(self, seq: int, plan: dict[str, Any]) -> None:
+        """The plan of transfer `seq`, then `latest` = seq: a receiver still waiting on an
+        older transfer (whose plan `_forget` may have deleted) sees that it is over."""
+        self._ctl.set(f"x{seq}/plan", json.dumps(plan))
+        self._ctl.set("latest", str(seq))
 
     def _gather_members(self, seq: int) -> list[str]:
         """Wait (≤ timeout_s) for the known receivers to be ready; decide who is in.
@@ -614,9 +621,25 @@ class DistWeightReceiver(WeightReceiver):
         n = ctl.add(f"x{seq}/ready/n", 1)
         ctl.set(f"x{seq}/ready/{n}", f"{self.receiver_id} {self._incarnation}")
         key = f"x{seq}/plan"
-        if not _poll(lambda: ctl.check([key]), time.monotonic() + 2 * self.timeout_s):
+
+        def moved_on() -> int:
+            """The sender's latest transfer, when it is past `seq` (0 otherwise)."""
+            latest = int(ctl.get("latest").decode()) if ctl.check(["latest"]) else 0
+            return latest if latest > seq else 0
+
+        if not _poll(lambda: ctl.check([key]) or moved_on() > 0, time.monotonic() + 2 * self.timeout_s):
+            self._register()  # whatever held the sender up, be waited for next time
             raise WeightSyncError(
-                f"no plan from the weight sender for transfer {seq} within {2 * self.timeout_s:.1f}s"
+                f"no plan from the weight sender for transfer {seq} within {2 * self.timeout_s:.1f}s; "
+                f"re-registered for the next version"
+            )
+        if not ctl.check([key]):
+            # This receiver came late (its caller was busy, or this meta waited in a queue):
+            # the sender left it out and has finished later transfers since.
+            self._register()
+            raise NotAMemberError(
+                f"receiver {self.receiver_id!r} came to transfer {seq} after the sender moved on to transfer "
+                f"{moved_on()}; re-registered for the next version"
             )
         return json.loads(ctl.get(key).decode())
 

@@ -267,7 +267,22 @@ class RolloutController:
 
     async def _control_loop(self) -> None:
         while True:
-            await self._apply_announcement(await self.announcements.get())
+            for ann in self._newest_weights_only([await self.announcements.get()]):
+                await self._apply_announcement(ann)
+
+    def _newest_weights_only(self, anns: list[VersionAnnouncement]) -> list[VersionAnnouncement]:
+        """`anns` and every announcement queued behind them, in order, with the weights of
+        all but the newest weight-carrying one taken out. A weight update that failed slowly
+        (a receiver times out) lets the trainer's resends pile up; loading them one by one,
+        each already superseded, would keep this side behind for good."""
+        while True:
+            try:
+                anns.append(self.announcements.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        with_weights = [i for i, a in enumerate(anns) if a.weights is not None]
+        return [a.model_copy(update={"weights": None}) if a.weights is not None and i != with_weights[-1] else a
+                for i, a in enumerate(anns)]
 
     async def _apply_announcement(self, ann: VersionAnnouncement) -> None:
         if ann.run_id != self.run_id:

@@ -114,6 +114,31 @@ def test_a_restarted_engine_with_the_same_id_gets_a_new_group(sender: DistWeight
     assert stats is not None and stats.ok and stats.generation == 2
 
 
+def test_a_receiver_that_comes_late_learns_it_at_once_and_is_in_the_next_version(sender: DistWeightSender) -> None:
+    """A receiver busy elsewhere while the sender went through several transfers (their
+    plans deleted since) must not wait out a timeout per stale meta, which kept a rollout
+    side behind forever (CI: "no plan ... within 8.0s" for every resend). It is told at
+    once, re-registers, and the next version reaches it."""
+    r = _receiver("late")
+    r.connect(sender.store_addr)
+    sender.wait_for_receivers(1)
+    stale = sender.send(1, _tensors(1).items())  # r never shows up: left out after TIMEOUT_S
+    sender.wait()
+    for v in (2, 3, 4):  # nobody registered: each published at once, older plans forgotten
+        sender.send(v, _tensors(v).items())
+        sender.wait()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="after the sender moved on"):
+        r.receive(stale)
+    assert time.monotonic() - t0 < TIMEOUT_S
+    got = _deliver(sender.send(5, _tensors(5).items()), [r])["late"]
+    assert not isinstance(got, Exception), got
+    assert all(torch.equal(t, _tensors(5)[n]) for n, t, _ in got)
+    stats = sender.wait()
+    assert stats is not None and stats.ok and stats.receivers == ["late"]
+    r.close()
+
+
 def test_meta_from_another_transport_or_address_is_refused(sender: DistWeightSender, tmp_path: Any) -> None:
     disk_cfg = DiskWeightSyncConfig(type="disk", disk_path=str(tmp_path))
     disk_meta = DiskWeightSender(disk_cfg).send(1, _tensors(1).items())
