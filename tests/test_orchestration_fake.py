@@ -30,8 +30,10 @@ class FakeTrainer:
         self.nan_times = nan_times
         self.seen: list[str] = []
 
-    def train_on(self, trajectories):
+    def train_on(self, trajectories, poll=None):
         self.seen += [t.episode_id for t in trajectories]
+        if poll is not None:
+            poll()  # the controller takes in data while the (fake) workers compute
         if self.version == self.nan_at and self.nan_times > 0:
             self.nan_times -= 1
             return {"loss": float("nan")}

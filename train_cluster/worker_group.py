@@ -19,7 +19,7 @@ and gets OMP/MKL thread variables to match, and reserves that many Ray CPUs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +38,21 @@ class TrainWorkerDied(RuntimeError):
     """A train worker's process is gone: the group cannot go on (its state is torn)."""
 
 
-def _get(workers: list[Any], refs: list[Any], what: str) -> list[Any]:
+def _get(workers: list[Any], refs: list[Any], what: str, poll: Callable[[], None] | None = None,
+         every_s: float = 0.02) -> list[Any]:
     """`ray.get` of one call per worker that turns a dead worker into one short, clear
-    error, as soon as it is known (the live ranks may be blocked in a collective with it)."""
+    error, as soon as it is known (the live ranks may be blocked in a collective with it).
+    `poll`, if given, is called every `every_s` while the workers run (the trainer takes in
+    data meanwhile)."""
     from areal_like.core import actors
 
     try:
         pending = list(refs)
         while pending:
-            done, pending = actors.wait(pending, num_returns=1)
+            done, pending = actors.wait(pending, num_returns=1, timeout=None if poll is None else every_s)
+            if not done:
+                poll()  # type: ignore[misc]
+                continue
             actors.get(done)  # raises now if that worker died
         return actors.get(refs)
     except Exception as e:
@@ -279,11 +285,13 @@ class TrainWorkerGroup:
             raise ValueError(f"{batch.num_seqs} sequences cannot feed {self.dp_size} data-parallel train ranks")
         return balanced_partition(batch.seq_lens.tolist(), self.dp_size)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, poll: Callable[[], None] | None = None) -> dict[str, float]:
+        """One step on every rank; `poll` is called every 20 ms while they compute."""
         # All ranks of one TP group get the same shard (the same object: Ray stores it once).
         parts = [batch.select(idx) for idx in self._shards(batch)]
         stats = _get(self.workers, [w.train_step.remote(parts[dp])
-                                    for w, dp in zip(self.workers, self._dp_ranks, strict=True)], "train_step")
+                                    for w, dp in zip(self.workers, self._dp_ranks, strict=True)], "train_step",
+                     poll=poll)
         self._version = int(stats[0]["version"])
         out = {**stats[0], "train_cpu_s": sum(s.get("cpu_s", 0.0) for s in stats)}
         if any("borrowed_thread_s" in s for s in stats):  # summed over ranks, like the CPU
@@ -291,10 +299,11 @@ class TrainWorkerGroup:
         out.pop("borrowed_thread_s", None)
         return out
 
-    def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
+    def train_on(self, trajectories: list[Trajectory], poll: Callable[[], None] | None = None) -> dict[str, float]:
         """One train step on a batch of trajectories: group-normalised advantages, packing
-        and the decoupled PPO update all happen here, in the train cluster."""
-        return self.train_step(build_batch(trajectories, self.loss_cfg))
+        and the decoupled PPO update all happen here, in the train cluster. `poll` runs in
+        this process every 20 ms while the workers compute."""
+        return self.train_step(build_batch(trajectories, self.loss_cfg), poll=poll)
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         shards = self._shards(batch)

@@ -20,7 +20,6 @@ rollout side fed (`_while_waiting`) and checkpoints are calls out of it.
 from __future__ import annotations
 
 import errno
-import inspect
 import logging
 import threading
 import time
@@ -77,7 +76,8 @@ class TrainerHandle(Protocol):
     version: int
 
     def train_on(self, trajectories: list[Trajectory], poll: Any = None) -> dict[str, float]:
-        """`poll()`, when the handle takes it, is called now and then while the step runs."""
+        """`poll()`, if given, must be called every few tens of ms while the step runs: the
+        controller takes in data meanwhile (`TrainerController._during_step`)."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
@@ -314,10 +314,7 @@ class TrainerController:
         """v → v+1, or skipped (non-finite loss or gradient: the version stays)."""
         trajectories = [t for g in groups for t in g.trajectories]
         try:
-            if "poll" in inspect.signature(self.trainer.train_on).parameters:
-                stats = self.trainer.train_on(trajectories, poll=self._during_step)
-            else:
-                stats = self.trainer.train_on(trajectories)
+            stats = self.trainer.train_on(trajectories, poll=self._during_step)
         except Exception as e:
             if _disk_full(e):
                 raise

@@ -56,3 +56,29 @@ def test_ddp_two_workers_match_one(ray_local, tiny_model_dir, trajs, tmp_path) -
 @pytest.mark.slow
 def test_fsdp_two_workers_match_one(ray_local, tiny_model_dir, trajs, tmp_path) -> None:
     _run_pair(tiny_model_dir, trajs, "fsdp", "token_mean", tmp_path)
+
+
+def test_the_caller_polls_while_the_workers_train(tiny_model_dir, trajs) -> None:
+    """The trainer takes in data during a step through `poll` (docs/design.md §10.16): it is
+    called, on the caller's thread, while a real worker process computes, and the step is
+    the same step."""
+    import threading
+
+    from areal_like.orchestration.local_actors import Zygote
+
+    cfg = TrainConfig(token_budget=48, lr=1e-2)
+    trajectories = trajs(n_groups=4, group_size=8, seed=0)
+    ref = TorchTrainEngine(tiny_model_dir, cfg).train_step(build_batch(trajectories, cfg.loss))
+    zygote = Zygote.start()
+    try:
+        group = TrainWorkerGroup(tiny_model_dir, cfg, log_level="WARNING", launcher=zygote)
+        try:
+            polls: list[int] = []
+            stats = group.train_on(trajectories, poll=lambda: polls.append(threading.get_ident()))
+            assert polls and set(polls) == {threading.get_ident()}
+            assert group.version == 1
+            assert stats["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
+        finally:
+            group.shutdown()
+    finally:
+        zygote.close()
