@@ -185,7 +185,7 @@ def _contender_env(threads: int | None = None) -> dict[str, str]:
     return env
 
 
-def run_ours(out: Path, steps: int, form: str) -> dict[str, Any]:
+def run_ours(out: Path, steps: int, form: str, extra: list[str] | None = None) -> dict[str, Any]:
     """The quickstart as a user starts it: `areal-like run configs/quickstart.yaml`."""
     d = out / "ours"
     d.mkdir(parents=True, exist_ok=True)
@@ -200,6 +200,7 @@ def run_ours(out: Path, steps: int, form: str) -> dict[str, Any]:
     ]
     if form == "single_turn":
         sets.append("agent.default_loop=single_turn")
+    sets += extra or []
     cmd = [sys.executable, "-m", "areal_like.orchestration.cli", "run", str(CONFIG), "--overwrite"]
     for x in sets:
         cmd += ["--set", x]
@@ -431,6 +432,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="pairs of runs, order alternating")
     ap.add_argument("--first", choices=["ours", "trl"], default="ours", help="who runs first in the first pair")
     ap.add_argument("--ours-steps", type=int, default=60)
+    ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for our run (repeatable), to try a variant")
+    ap.add_argument("--ours-only", action="store_true", help="run and evaluate ours only (no TRL, no speedup)")
     ap.add_argument("--trl-max-steps", type=int, default=200)
     ap.add_argument("--trl-max-seconds", type=float, default=1200.0)
     ap.add_argument("--trl-stop-margin", type=float, default=0.03,
@@ -465,11 +469,13 @@ def main() -> None:
     pairs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         order = ["ours", "trl"] if (rep % 2 == 0) == (args.first == "ours") else ["trl", "ours"]
+        if args.ours_only:
+            order = ["ours"]
         runs: dict[str, Any] = {}
         for who in order:
             d = out / f"rep{rep}"
             log.info("repeat %d: running %s (load average %.2f)", rep, who, os.getloadavg()[0])
-            runs[who] = run_ours(d, args.ours_steps, args.form) if who == "ours" else run_trl(d, args)
+            runs[who] = run_ours(d, args.ours_steps, args.form, args.ours_set) if who == "ours" else run_trl(d, args)
             log.info("repeat %d: %s done: %d steps in %ss; CPU %s", rep, who, runs[who]["steps_done"],
                      runs[who]["train_s"], {k: v for k, v in runs[who]["cpu"].items() if k != "samples"})
         pairs.append({"order": order, **runs})
@@ -481,7 +487,7 @@ def main() -> None:
     results = []
     for rep, p in enumerate(pairs):
         res: dict[str, Any] = {"order": p["order"]}
-        for who in ("ours", "trl"):
+        for who in p["order"]:
             r = p[who]
             tt = time_to_target(ev, r, args.target, args.eval_stride, f"{who} rep{rep}")
             tr = [c["train_reward"] for c in r["ckpts"] if c["train_reward"] is not None]
@@ -489,9 +495,13 @@ def main() -> None:
                         "s_per_step": round(r["train_s"] / max(r["steps_done"], 1), 2) if r["train_s"] else None,
                         "train_reward_last5": round(sum(tr[-5:]) / len(tr[-5:]), 4) if tr else None,
                         "cpu": {k: v for k, v in r["cpu"].items() if k != "samples"}}
-        o, t = res["ours"], res["trl"]
         res["ours"]["startup"] = p["ours"].get("startup")
         res["ours"]["utilisation"] = p["ours"].get("utilisation")
+        if args.ours_only:
+            res["speedup"] = None
+            results.append(res)
+            continue
+        o, t = res["ours"], res["trl"]
         if o["reached"] and t["reached"]:  # from the command: imports, start-up and training all count
             res["speedup"] = round(t["time_to_target_from_launch_s"] / o["time_to_target_from_launch_s"], 2)
             res["speedup_after_imports"] = round(t["time_to_target_s"] / o["time_to_target_s"], 2)
@@ -520,15 +530,16 @@ def main() -> None:
         "quick": args.quick,
         "speedup_time_to_target_vs_trl": headline,
         "ours_time_to_target_from_command_s": [r["ours"]["time_to_target_from_launch_s"] for r in results],
-        "trl_time_to_target_from_command_s": [r["trl"]["time_to_target_from_launch_s"] for r in results],
+        "trl_time_to_target_from_command_s": [r["trl"]["time_to_target_from_launch_s"] for r in results if "trl" in r],
         "ours_time_to_target_s": [r["ours"]["time_to_target_s"] for r in results],
-        "trl_time_to_target_s": [r["trl"]["time_to_target_s"] for r in results],
+        "trl_time_to_target_s": [r["trl"]["time_to_target_s"] for r in results if "trl" in r],
         "base_accuracy": round(base_acc, 4),
         "runs": results,
         "settings": {
             "prompts_per_step": 8, "samples_per_prompt": 8, "grad_clip": 1.0, "response_length": 48,
             "ours": "areal-like run configs/quickstart.yaml (lr 7.5e-5, 4 mini-batches), eta 2, rollout 1 thread + "
                     "train 1 thread",
+            "ours_set": args.ours_set,
             "trl_lr": args.trl_lr,
             "trl_setup": f"GRPOTrainer, HF generate, {args.threads} torch threads, loss dapo, scale_rewards group, beta 0, "
                    "gradient_checkpointing off",
