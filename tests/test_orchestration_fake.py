@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ class FakeTrainer:
         self.nan_at = nan_at
         self.nan_times = nan_times
         self.seen: list[str] = []
+        self.started_at: list[float] = []
 
     def train_on(self, trajectories, poll=None):
+        self.started_at.append(time.time())
         self.seen += [t.episode_id for t in trajectories]
         if poll is not None:
             poll()  # the controller takes in data while the (fake) workers compute
@@ -66,7 +69,7 @@ class FakeWeights:
 
 
 def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None = None, seed: int = 0,
-         eta: int = 1):
+         eta: int = 1, weights: FakeWeights | None = None):
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}", "train.batch_size=2",
                              "rollout.group_size=4", f"staleness.max_staleness={eta}", "run.record_trajectories=true",
                              "run.checkpoint_every_n_steps=3"])
@@ -75,7 +78,7 @@ def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None
     puller = DataPuller("tcp://127.0.0.1:0")
     publisher = ControlPublisher("tcp://127.0.0.1:0")
     trainer = trainer or FakeTrainer()
-    tc = TrainerController(cfg, trainer=trainer, weights=FakeWeights(), puller=puller, publisher=publisher,
+    tc = TrainerController(cfg, trainer=trainer, weights=weights or FakeWeights(), puller=puller, publisher=publisher,
                            run_dir=rd, mlog=MetricsLog(rd.metrics), model_path=tmp_path)
     if resume:
         tc.resume()
@@ -133,6 +136,49 @@ def test_two_sides_over_zmq_respect_eta_and_count_everything(tmp_path) -> None:
     # every trained sample recorded once, none twice
     assert len({t["episode_id"] for t in trajs}) == len(trajs) == summary["trained"]
     assert len(set(trainer.seen)) == len(trainer.seen)
+
+
+class SlowWeights(FakeWeights):
+    """A broadcast that takes TRANSFER_S after `send` returns (rank 0's sender thread)."""
+
+    TRANSFER_S = 0.3
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, float]] = []
+        self.done: list[tuple[int, float]] = []
+
+    def send(self, version, named_tensors):
+        self.sent.append((version, time.time()))
+        return super().send(version, named_tensors)
+
+    def wait(self, timeout=None):
+        if not self.sent or (self.done and self.done[-1][0] == self.sent[-1][0]):
+            return None
+        version, t0 = self.sent[-1]
+        left = t0 + self.TRANSFER_S - time.time()
+        if left > (timeout if timeout is not None else left):
+            time.sleep(timeout)
+            raise RuntimeError(f"weight transfer still running after {timeout}s")
+        time.sleep(max(0.0, left))
+        self.done.append((version, time.time()))
+        return None
+
+
+def test_the_broadcast_runs_while_the_next_step_trains(tmp_path) -> None:
+    """The trainer does not wait for a version's broadcast before training on: the next step
+    starts while it runs; the next publish, and the end of the run, wait for it."""
+    weights, trainer = SlowWeights(), FakeTrainer()
+    _, _, summary, _ = _run(tmp_path, steps=6, trainer=trainer, weights=weights)
+    assert TrainerControllerCounts.add_up(summary)
+    sent = [v for v, _ in weights.sent]
+    assert sent[-1] == 6
+    # a step began while a broadcast was still on the wire
+    assert any(t0 < t < t0 + SlowWeights.TRANSFER_S for _, t0 in weights.sent for t in trainer.started_at)
+    # never two in flight: each send came after the previous version's broadcast ended
+    done_at = dict(weights.done)
+    for (v, _), (_, t_next) in zip(weights.sent, weights.sent[1:], strict=False):
+        assert v in done_at and done_at[v] <= t_next, (v, weights.done, weights.sent)
+    assert 6 in done_at  # the last version reached the engines before the run ended
 
 
 def test_resume_continues_version_and_counts(tmp_path) -> None:

@@ -142,6 +142,8 @@ class TrainerController:
         self.rollout: RolloutStats | None = None
         self.data_position: dict[str, int] | None = None
         self.last_meta: WeightUpdateMeta | None = None
+        self._in_flight: int | None = None
+        """The published version whose broadcast may still run (see `_end_transfer`)."""
         self.resumed_meta: WeightUpdateMeta | None = None
         self.idle_s = 0.0
         self.straggler_wait_s = 0.0
@@ -351,23 +353,37 @@ class TrainerController:
             self._announce(force=True)
 
     def _publish_weights(self, rec: dict[str, Any]) -> None:
-        """Snapshot the new version, announce it, wait (bounded) for the broadcast."""
+        """Snapshot the new version and announce it. Its broadcast runs on rank 0's sender
+        thread while the workers train the next step; the next publish (or the end of the
+        run) waits for it, bounded. `weight_sync_s` is the time the trainer was held up:
+        the rest of the previous broadcast, the snapshot, the announcement."""
         new_v = self.trainer.version
         t0 = time.time()
+        done = self._end_transfer()
         meta = self._send_weights(new_v)
         self._sent_at = time.time()
+        self._in_flight = new_v
         if self.cfg.run.record_weights:
             self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
         self.last_meta = meta
         self._announce(weights=meta, force=True)
+        self.telemetry.weight_sync(rec, time.time() - t0, done)
+
+    def _end_transfer(self) -> Any:
+        """Wait (≤ weight_sync.timeout_s) for the broadcast of the last published version;
+        its stats, or None. The gate, not this wait, keeps the rollout side within η: it
+        admits by the version its engines have loaded."""
+        v, self._in_flight = self._in_flight, None
+        if v is None:
+            return None
         try:
             done = self.weights.wait(timeout=self.cfg.weight_sync.timeout_s)
         except Exception as e:  # still on the wire (a stalled receiver): the next send waits for it
-            log.warning("weights v%d: %s; training goes on", new_v, e)
-            done = None
-        self.telemetry.weight_sync(rec, time.time() - t0, done)
+            log.warning("weights v%d: %s; training goes on", v, e)
+            return None
         if done is not None and not done.ok:
-            log.error("weight sync of v%d failed: %s (engines keep their version)", new_v, done.error)
+            log.error("weight sync of v%d failed: %s (engines keep their version)", v, done.error)
+        return done
 
     def _send_weights(self, version: int) -> WeightUpdateMeta:
         """Hand the trainer's current weights to the transport as `version`. A publisher
@@ -559,6 +575,7 @@ class TrainerController:
         self.run_dir.prune_checkpoints(keep=2)
 
     def _finish(self, wait_s: float = 60.0, reason: str = "finished") -> dict[str, int]:
+        self._end_transfer()  # the last version reaches the engines before the stop (its evaluation)
         self._stopping = True
         startup.reset()  # a next run in this process measures its own
         deadline = time.time() + wait_s
