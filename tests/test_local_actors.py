@@ -157,3 +157,15 @@ def test_the_zygote_goes_with_the_process_that_started_it(tmp_path) -> None:
 def test_what_cannot_travel_is_refused_at_the_caller(zygote) -> None:
     with pytest.raises(Exception, match="pickle|lambda|local object"):
         zygote.spawn(Echo, (lambda: 1,), name="nope")
+
+
+def test_killing_one_actor_never_disturbs_the_next(zygote) -> None:
+    """`actors.kill` used to close the handle's socket under its reader thread; the number
+    was soon the next actor's socket, and that reader took its replies (a call hung, or
+    the next actor looked dead). One in ~20 rounds of this loop failed before the fix."""
+    for i in range(40):
+        a = zygote.spawn(Echo, ("k",), name=f"round{i}")
+        with pytest.raises(Picky):
+            actors.get(a.fail.remote(), timeout=30)
+        assert actors.get(a.hello.remote(i), timeout=30) == f"k:{i}:1"
+        actors.kill(a)

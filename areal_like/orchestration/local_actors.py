@@ -121,8 +121,13 @@ class LocalActor:
         try:
             while True:
                 kind, call_id, value = pickle.loads(self._conn.recv_bytes())
-                if call_id == 0:  # the constructor failed: every call fails with its error
+                if call_id == 0:  # the constructor failed: every call, pending or later, fails with its error
                     self._init_error = value
+                    with self._lock:
+                        self._dead = "its constructor failed"
+                        pending, self._pending = self._pending, {}
+                    for fut in pending.values():
+                        fut.set_exception(value)
                     continue
                 with self._lock:
                     fut = self._pending.pop(call_id, None)
@@ -140,6 +145,7 @@ class LocalActor:
         with self._lock:
             self._dead = why
             pending, self._pending = self._pending, {}
+            self._conn.close()  # only here, under the lock `_call` sends under
         for fut in pending.values():
             fut.set_exception(self._death())
 
@@ -157,8 +163,12 @@ class LocalActor:
             os.kill(self.actor_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        # Shut the socket down, do not close it: the reader thread may be about to read its
+        # descriptor, and a closed number is soon another actor's socket (a reader here then
+        # took that actor's replies). The reader sees the end and closes it itself.
         try:
-            self._conn.close()
+            with socket.fromfd(self._conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -390,6 +400,14 @@ def _actor_main(fd: int, head: dict[str, Any]) -> None:
         return
     except BaseException as e:
         _send(conn, ("err", 0, _portable(e)))
+        # Read what the caller sent before it heard (a socket closed with unread data resets
+        # the connection, and the caller could lose the error to the reset), then go.
+        deadline = time.monotonic() + 2.0
+        try:
+            while conn.poll(max(0.0, deadline - time.monotonic())):
+                conn.recv_bytes()
+        except (EOFError, OSError):
+            pass
         return
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
