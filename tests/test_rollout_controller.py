@@ -175,9 +175,11 @@ def test_weight_updates_queued_behind_a_slow_failure_are_skipped_to_the_newest()
             raise TimeoutError("no plan from the weight sender")
         return meta.version
 
+    sent: list = []
+
     async def main() -> RolloutController:
         async def send(msg) -> None:  # noqa: ANN001
-            pass
+            sent.append(msg)
 
         ctl = RolloutController(
             gate=StalenessGate(8, 2, max_concurrent=8), source=PromptSource(_rows(), seed=0), group_size=4,
@@ -200,3 +202,5 @@ def test_weight_updates_queued_behind_a_slow_failure_are_skipped_to_the_newest()
     ctl = asyncio.run(main())
     assert calls == [1, 4]
     assert ctl.loaded_version == 4
+    finals = [m for m in sent if isinstance(m, RolloutStats) and m.kind == "final"]
+    assert finals and finals[-1].loaded_version == 4  # it stopped serving the newest version
