@@ -123,7 +123,9 @@ class RolloutServer:
             "http_errors": 0.0,
             "requests_refused": 0.0,
             "weight_update_seconds_total": 0.0,
+            "held_seconds_total": 0.0,
         }
+        self._held_since: float | None = None
         self._http: Any = None  # http_api.HttpServer while serving
         self._receiver: Any = None
         self._receiver_name = "server"
@@ -276,6 +278,19 @@ class RolloutServer:
         dt = time.perf_counter() - t0
         self.counters["weight_update_seconds_total"] += dt
         logger.info("loaded weights version %d in %.3fs", version, dt)
+
+    async def hold(self, on: bool) -> None:
+        """`cluster.colocate`: pause the engine for the trainer's step (a vLLM engine on
+        GPU also sleeps, freeing its memory) or let it run again; requests keep their
+        state. Idempotent."""
+        if on == (self._held_since is not None):
+            return
+        await self.engine.hold(on)  # type: ignore[attr-defined]
+        if on:
+            self._held_since = time.perf_counter()
+        else:
+            self.counters["held_seconds_total"] += time.perf_counter() - (self._held_since or time.perf_counter())
+            self._held_since = None
 
     # ---- weights straight from the trainer -----------------------------------------
 

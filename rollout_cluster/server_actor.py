@@ -125,6 +125,9 @@ class ServerActor:
 
         return await self.server.receive_weights(WeightUpdateMeta.model_validate(meta), rendezvous)
 
+    async def hold(self, on: bool) -> None:
+        await self.server.hold(on)
+
     async def export_weights(self) -> tuple[int, list[tuple[str, Any]]]:
         return self.server.version, await self.server.export_weights()
 

@@ -24,8 +24,10 @@ from tests.test_rollout_controller import FakeRollout, _rows
 
 
 class FakeTrainer:
-    def __init__(self, nan_at: int = -1, nan_times: int = 1) -> None:
+    def __init__(self, nan_at: int = -1, nan_times: int = 1, step_s: float = 0.0) -> None:
         self.version = 0
+        self.step_s = step_s
+        self.ended_at: list[float] = []
         self.w = torch.zeros(3)
         self.nan_at = nan_at
         self.nan_times = nan_times
@@ -37,6 +39,8 @@ class FakeTrainer:
         self.seen += [t.episode_id for t in trajectories]
         if poll is not None:
             poll()  # the controller takes in data while the (fake) workers compute
+        time.sleep(self.step_s)
+        self.ended_at.append(time.time())
         if self.version == self.nan_at and self.nan_times > 0:
             self.nan_times -= 1
             return {"loss": float("nan")}
@@ -68,11 +72,35 @@ class FakeWeights:
         return None
 
 
+class HeldRollout(FakeRollout):
+    """Fake servers that can be held (`cluster.colocate`): no token is made while they are."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed, fail_rate=0.05, reject_rate=0.05)
+        self.running: asyncio.Event | None = None
+        self.token_at: list[float] = []
+        self.holds: list[tuple[float, bool]] = []
+
+    async def hold_servers(self, on: bool) -> None:
+        if self.running is None:
+            self.running = asyncio.Event()
+            self.running.set()
+        (self.running.clear if on else self.running.set)()
+        self.holds.append((time.time(), on))
+
+    async def run_episode(self, row, sampling, eid):
+        out = await super().run_episode(row, sampling, eid)
+        if self.running is not None:
+            await self.running.wait()  # the episode's last token waits for the servers
+        self.token_at.append(time.time())
+        return out
+
+
 def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None = None, seed: int = 0,
-         eta: int = 1, weights: FakeWeights | None = None):
+         eta: int = 1, weights: FakeWeights | None = None, colocate: bool = False):
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}", "train.batch_size=2",
                              "rollout.group_size=4", f"staleness.max_staleness={eta}", "run.record_trajectories=true",
-                             "run.checkpoint_every_n_steps=3"])
+                             "run.checkpoint_every_n_steps=3", f"cluster.colocate={str(colocate).lower()}"])
     rd = RunDir(cfg.run.dir)
     rd.prepare(cfg, resume=resume)
     puller = DataPuller("tcp://127.0.0.1:0")
@@ -83,7 +111,7 @@ def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None
     if resume:
         tc.resume()
 
-    fake = FakeRollout(seed, fail_rate=0.05, reject_rate=0.05)
+    fake = HeldRollout(seed) if colocate else FakeRollout(seed, fail_rate=0.05, reject_rate=0.05)
 
     def rollout_thread() -> None:
         async def main() -> None:
@@ -98,6 +126,7 @@ def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None
                 score=fake.score,
                 send=make_sender(pusher),
                 apply_weights=fake.apply_weights,
+                hold_servers=fake.hold_servers if colocate else None,
                 loaded_version=0,
                 seed=seed,
                 stats_every_s=0.1,
@@ -118,7 +147,34 @@ def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None
     puller.close()
     publisher.close()
     tc.mlog.close()
+    trainer.rollout = fake
     return cfg, rd, summary, trainer
+
+
+def test_colocated_servers_hold_through_every_train_step(tmp_path) -> None:
+    """`cluster.colocate`: each step starts only once the rollout side says its servers
+    hold, no token is made while it trains, and the servers run again after it."""
+    trainer = FakeTrainer(step_s=0.05)
+    cfg, rd, summary, _ = _run(tmp_path, steps=6, trainer=trainer, colocate=True)
+    assert TrainerControllerCounts.add_up(summary) and trainer.version == 6
+    fake = trainer.rollout
+    holds = fake.holds
+    assert [on for _, on in holds] == [True, False] * (len(holds) // 2) and len(holds) >= 12
+    for start, end in zip(trainer.started_at, trainer.ended_at, strict=True):
+        held_before = [t for t, on in holds if on and t <= start]
+        assert held_before, (start, holds)
+        released = [t for t, on in holds if not on and t >= held_before[-1]]
+        assert released and released[0] >= end, (start, end, holds)  # still held when the step ended
+        assert not [t for t in fake.token_at if start <= t <= end]
+    steps = [r for r in read_jsonl(rd.metrics) if r["kind"] == "train_step"]
+    assert len(steps) == 6 and all(r["colocate_wait_s"] >= 0 for r in steps)
+
+
+def test_without_colocate_nothing_is_held(tmp_path) -> None:
+    trainer = FakeTrainer(step_s=0.05)
+    _, rd, summary, _ = _run(tmp_path, steps=3, trainer=trainer)
+    assert TrainerControllerCounts.add_up(summary)
+    assert all("colocate_wait_s" not in r for r in read_jsonl(rd.metrics) if r["kind"] == "train_step")
 
 
 def test_two_sides_over_zmq_respect_eta_and_count_everything(tmp_path) -> None:

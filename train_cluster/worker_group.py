@@ -109,7 +109,8 @@ class _TrainWorker:
             self.ledger = CoreLedger(lend["path"], "train", self.rank)
             self.ledger.working(False)
             self.engine.thread_lender = ThreadLender(self.ledger, own=cfg.backend.threads,
-                                                     borrow=int(lend["borrow"]), other="rollout")
+                                                     borrow=int(lend["borrow"]), other="rollout",
+                                                     grace_s=float(lend.get("grace_s", 0.1)))
         return self.engine.version, self.rank
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

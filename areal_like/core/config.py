@@ -465,6 +465,17 @@ class ClusterConfig(_Section):
     (the train workers add the rollout pool's threads while no server has had work for
     0.1 s; the servers add the train pool's while the trainer waits for data), through a
     ledger file in run.dir (docs/design.md §10.16). Off: each pool keeps its own."""
+    colocate: bool = False
+    """Rollout and training take turns on the same devices instead of running side by side
+    (verl's hybrid engine, TRL's default), for setups too small for two pools. Before each
+    train step the trainer asks the rollout side to hold: every server pauses its engine
+    (in-flight requests keep their state; a vLLM engine on GPU also sleeps, freeing its
+    weights and KV cache) and says so; the trainer then trains, on CPU with both pools'
+    threads, and the new weights' announcement lets the servers run again. The loop, the
+    gate and η are otherwise the same (docs/design.md §10.17)."""
+    colocate_timeout_s: float = Field(30.0, gt=0.0)
+    """How long the trainer waits for the rollout side to say its servers hold before it
+    trains anyway (and says so in the log)."""
     ray_address: str | None = None
     """Existing Ray cluster to join; None starts an embedded local one."""
     allow_unauthenticated_ray: bool = False

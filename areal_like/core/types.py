@@ -326,6 +326,9 @@ class RolloutCounters(_Strict):
     servers' own processes; a restarted server starts again from 0)."""
     rollout_cores_used: float = 0.0
     """CPU cores the rollout side used since its previous report (CPU seconds / wall)."""
+    rollout_held_s: float = 0.0
+    """`cluster.colocate`: seconds the servers were paused for the trainer's steps, summed
+    over servers."""
     rollout_borrowed_thread_s: float = 0.0
     """Seconds the servers generated with threads borrowed from an idle train pool
     (`cluster.lend_idle_threads`), summed over servers."""
@@ -372,6 +375,8 @@ class RolloutStats(_Strict):
     counters: RolloutCounters = Field(default_factory=RolloutCounters)
     eval: EvalResult | None = None
     origin: Origin | None = None
+    held: int = Field(0, ge=0)
+    """`cluster.colocate`: the trainer's `hold` number the servers are paused for (0: they run)."""
     running_groups: dict[str, int] = Field(default_factory=dict)
     """Group id → the version loaded when it was admitted (a lower bound of its head
     version), for every group still running: the trainer waits for a straggler rather
@@ -422,6 +427,10 @@ class VersionAnnouncement(_Strict):
     gate, counts and version on this announcement."""
     rollout_id: str | None = None
     """The rollout controller this trainer accepted in this epoch; any other is refused."""
+    hold: int = Field(0, ge=0)
+    """`cluster.colocate`: nonzero while the trainer wants the devices for a train step (a
+    number new for each step): the rollout side pauses its servers and answers with a
+    report whose `held` is this number. 0: the servers may run."""
     acked: dict[str, list[int]] = Field(default_factory=dict)
     """Sender → `[upto, *more]`: every data frame of this epoch up to seq `upto` has reached
     the trainer, and so have those in `more`; the sender stops keeping them for a resend

@@ -124,10 +124,11 @@ def _fmt(res: dict[str, float]) -> str:
 def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
     """Where the pools' core ledger lives and how many threads each pool may borrow
     (`cluster.lend_idle_threads`, docs/design.md §10.16), or None: only CPU pools on one
-    machine (no `cluster.ray_address`) lend."""
+    machine (no `cluster.ray_address`) lend. With `cluster.colocate` they always do, and
+    the train ranks take the servers' threads as soon as the servers hold (no grace)."""
     c = cfg.cluster
     engine = cfg.rollout.engine
-    if (not c.lend_idle_threads or c.ray_address or engine.type != "embedded"
+    if (not (c.lend_idle_threads or c.colocate) or c.ray_address or engine.type != "embedded"
             or getattr(engine, "device", "cpu") != "cpu" or cfg.train.backend.device != "cpu"
             or cfg.train.backend.type != "torch"):
         return None
@@ -137,4 +138,5 @@ def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
     # per process: the other pool's threads shared among this pool's processes
     return {"path": str(Path(cfg.run.dir) / ".cores"),
             "train_borrow": rollout_threads // backend.world_size,
+            "train_grace_s": 1e-6 if c.colocate else 0.1,
             "rollout_borrow": train_threads // cfg.rollout.num_servers}

@@ -70,6 +70,7 @@ class RolloutController:
         apply_weights: Callable[[WeightUpdateMeta], Awaitable[int]],
         join_weights: Callable[[VersionAnnouncement], Awaitable[None]] | None = None,
         wants_weights: Callable[[], bool] | None = None,
+        hold_servers: Callable[[bool], Awaitable[None]] | None = None,
         counters: Callable[[], RolloutCounters] = RolloutCounters,
         eval_rows: list[dict[str, Any]] | None = None,
         eval_every: int = 0,
@@ -93,6 +94,10 @@ class RolloutController:
         self.wants_weights = wants_weights
         """True while a restarted server waits for the version the others serve: a meta of
         that same version (the trainer sends it again) is applied too."""
+        self.hold_servers = hold_servers
+        """`cluster.colocate`: pause (True) or resume (False) every server, for the trainer's step."""
+        self._held = 0
+        """The trainer's hold number the servers are paused for (0: they run)."""
         self.counters = counters
         self.eval_rows = eval_rows or []
         self.eval_every = eval_every
@@ -299,6 +304,8 @@ class RolloutController:
                                  "one rollout controller per run: stop the other one first, or point this one at "
                                  "another trainer")
         self.gate.on_trainer_counts(ann.consumed, ann.dropped, ann.sent_base)
+        if self._held and (not ann.hold or ann.stop):
+            await self._hold(0)  # first: a server that slept for the step must be awake to load weights
         meta = ann.weights
         again = meta is not None and meta.version == self.loaded_version and self.wants_weights is not None \
             and self.wants_weights()
@@ -313,10 +320,26 @@ class RolloutController:
                 self._awaiting_weights = False
                 if self.eval_every and version % self.eval_every == 0 and not again:
                     self._start_eval(version)
+        if ann.hold and not ann.stop and ann.hold != self._held:
+            await self._hold(ann.hold)
         if ann.stop:
             self._start_eval(self.loaded_version)  # the final version is always evaluated
             self.stop()
         self._wake.set()
+
+    async def _hold(self, number: int) -> None:
+        """`cluster.colocate`: the trainer wants the devices for a step (`number` > 0):
+        pause every server, then say so in a report, which the trainer waits for; or it
+        is done (0): let them run. Requests keep their state and finish later."""
+        if bool(number) != bool(self._held):
+            if self.hold_servers is not None:
+                await self.hold_servers(bool(number))
+            elif number:
+                log.warning("the trainer asked this rollout side to hold its servers (cluster.colocate), "
+                            "but it has none to pause")
+        self._held = number
+        if number:
+            await self.send(self._stamp(self._stats()))
 
     async def _rebase(self, ann: VersionAnnouncement) -> None:
         """The trainer restarted (a newer epoch, after `--resume`): what runs belongs to
@@ -336,6 +359,8 @@ class RolloutController:
         self.outcomes = {k: 0 for k in self.outcomes}
         self.reward_sum = 0.0
         self.gate.rebase()
+        if self._held:  # the old trainer's step is over
+            await self._hold(0)
         self.loaded_version = -1
         self._awaiting_weights = True
         if self.join_weights is not None:
@@ -357,6 +382,7 @@ class RolloutController:
             outcomes=EpisodeOutcomes(**self.outcomes, reward_sum=self.reward_sum),
             data_position=self.data_position(),
             counters=self.counters(),
+            held=self._held,
             running_groups=dict(self._admitted),
         )
 

@@ -121,6 +121,7 @@ class RolloutSide:
                 apply_weights=self.apply_weights,
                 join_weights=self.join_weights,
                 wants_weights=lambda: bool(self.pool.waiting),
+                hold_servers=self.pool.hold,
                 counters=self.counters,
                 eval_rows=self._eval_rows(),
                 eval_every=cfg.eval.every_n_steps,
@@ -261,6 +262,7 @@ class RolloutSide:
         return RolloutCounters(
             rollout_cpu_s=cpu,
             rollout_borrowed_thread_s=total("borrowed_thread_s"),
+            rollout_held_s=total("held_seconds_total"),
             rollout_cores_used=max(0.0, self._rates.rate("cpu", cpu, window_s=2.0)),
             generated_tokens=generated,
             interrupts=total("interrupts"),

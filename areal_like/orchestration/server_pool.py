@@ -45,6 +45,8 @@ class ServerPool:
         """`on_death(name, error)`: a server found dead outside a call (the metrics poll)."""
         self.waiting: set[str] = set()
         """Restarted servers waiting for the trainer to send the served version again."""
+        self.held = False
+        """`cluster.colocate`: the servers are paused for the trainer's step."""
 
     # ---- starting ---------------------------------------------------------------------
     def _spawn(self, name: str) -> Any:
@@ -106,6 +108,8 @@ class ServerPool:
         self.versions[name] = int(info.get("version", 0))
         if self._rendezvous:  # a restart: a member again from the next version on
             await handle.join_weights.remote(self._rendezvous)
+        if self.held:  # a restart during the trainer's step waits for it like the others
+            await handle.hold.remote(True)
         self._alive.add(name)
         log.info("rollout server %s: pid %s on node %s (%s), %s", name, info["pid"], info["node_ip"],
                  info["node_id"][:8], info["device"])
@@ -203,6 +207,16 @@ class ServerPool:
                 ok[n] = self.versions[n] = int(r)
         self._loaded.set()
         return ok, failed
+
+    async def hold(self, on: bool) -> None:
+        """`cluster.colocate`: pause every live server for the trainer's step, or let them
+        run again; returns once each has done so (a dead one is left to the restart path)."""
+        self.held = on
+        names = [n for n in self.names if n in self._alive]
+        results = await asyncio.gather(*(self.actors[n].hold.remote(on) for n in names), return_exceptions=True)
+        for n, r in zip(names, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("rollout server %s did not %s: %s", n, "hold" if on else "resume", _first_line(r))
 
     # ---- metrics ----------------------------------------------------------------------
     async def _poll_metrics(self, every_s: float = 0.5) -> None:

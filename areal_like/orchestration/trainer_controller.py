@@ -143,6 +143,9 @@ class TrainerController:
         self.data_position: dict[str, int] | None = None
         self.last_meta: WeightUpdateMeta | None = None
         self._in_flight: int | None = None
+        self._hold = 0
+        """`cluster.colocate`: the hold number announced while a step wants the devices (0: none)."""
+        self._hold_seq = 0
         """The published version whose broadcast may still run (see `_end_transfer`)."""
         self.resumed_meta: WeightUpdateMeta | None = None
         self.idle_s = 0.0
@@ -255,10 +258,14 @@ class TrainerController:
             self.idle_s += time.time() - t_wait
             t0 = time.time()
             with stop.critical():  # a Ctrl-C here is raised once the step is whole
+                hold_wait = self._take_devices() if cfg.cluster.colocate else None
                 stats = self._train_step(groups, v)
+                self._hold = 0  # the announcement after the step lets the servers run again
                 skipped = self.trainer.version == v
                 rec = self.telemetry.train_step(groups, v, self.trainer.version, skipped, stats, self.buffer)
                 rec["straggler_wait_s"], self.straggler_wait_s = self.straggler_wait_s, 0.0
+                if hold_wait is not None:
+                    rec["colocate_wait_s"] = hold_wait
                 self.telemetry.sampled_reward(rec)
                 if not skipped and self._due(cfg.weight_sync.every_n_steps):
                     self._publish_weights(rec)
@@ -311,6 +318,35 @@ class TrainerController:
     def _due(self, every: int) -> bool:
         v = self.trainer.version
         return v % every == 0 or v >= self.cfg.train.total_steps
+
+    def _take_devices(self) -> float:
+        """`cluster.colocate`: announce a new hold and wait until the rollout side reports
+        that its servers are paused for it (≤ `cluster.colocate_timeout_s`, then train
+        anyway, said in the log). Data that arrives meanwhile is taken in. Returns the
+        seconds waited."""
+        t0 = time.time()
+        self._hold_seq += 1
+        self._hold = self._hold_seq
+        self._announce(force=True)
+        deadline = t0 + self.cfg.cluster.colocate_timeout_s
+        while not self._devices_free():
+            if time.time() > deadline:
+                log.warning("the rollout side did not say within cluster.colocate_timeout_s=%gs that its servers "
+                            "hold: training at v%d beside them", self.cfg.cluster.colocate_timeout_s,
+                            self.trainer.version)
+                break
+            self._drain(timeout_s=0.01)
+            if time.time() - self._last_announce >= 1.0:  # a rollout side that joined meanwhile hears it too
+                self._announce(force=True)
+        return time.time() - t0
+
+    def _devices_free(self) -> bool:
+        r = self.rollout
+        if r is None or self.peers.accepted is None or (r.origin is not None and r.origin.sender != self.peers.accepted):
+            return True  # no rollout side (yet, or any more) to wait for
+        if time.time() - self.peers.heard_at > self.cfg.transport.peer_dead_s:
+            return True  # a silent one: the peer check declares it lost
+        return r.held == self._hold
 
     def _train_step(self, groups: list[TrajectoryGroup], v: int) -> dict[str, float]:
         """v → v+1, or skipped (non-finite loss or gradient: the version stays)."""
@@ -500,6 +536,7 @@ class TrainerController:
             weight_store=self.weights.rendezvous,
             data_position=data_position,
             stop=self._stopping,
+            hold=0 if self._stopping else self._hold,
             run_id=self.peers.run_id,
             epoch=self.peers.epoch,
             rollout_id=self.peers.accepted,

@@ -82,7 +82,8 @@ class TrainerSide:
         from areal_like.orchestration.pools import thread_lending
 
         lending = thread_lending(cfg)
-        lend = {"path": lending["path"], "borrow": lending["train_borrow"]} if lending else None
+        lend = ({"path": lending["path"], "borrow": lending["train_borrow"], "grace_s": lending["train_grace_s"]}
+                if lending else None)
         self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed, lend=lend,
                                       placement_group=self.placement_group, launcher=self.launcher,
                                       log_level=cfg.run.log_level,
@@ -144,7 +145,7 @@ def weight_sync_device(cfg: ExperimentConfig) -> str:
     """Where the weight broadcast runs (`weight_sync.device`; docs/design.md §10.5): NCCL
     only between GPUs of their own (the trainer on CUDA and every server with its own
     GPU); gloo with CPU staging otherwise, which also works for a trainer and a server
-    sharing one GPU."""
+    sharing one GPU (`cluster.colocate`: NCCL refuses two ranks on one device)."""
     from areal_like.orchestration.pools import gpus_per_server
 
     ws = cfg.weight_sync
@@ -153,7 +154,7 @@ def weight_sync_device(cfg: ExperimentConfig) -> str:
     if ws.device != "auto":
         return ws.device
     pools = cfg.cluster
-    separate_gpus = pools.train_pool.num_gpus > 0 and pools.rollout_pool.num_gpus > 0
+    separate_gpus = pools.train_pool.num_gpus > 0 and pools.rollout_pool.num_gpus > 0 and not pools.colocate
     return "cuda" if cfg.train.backend.device == "cuda" and gpus_per_server(cfg) > 0 and separate_gpus else "cpu"
 
 

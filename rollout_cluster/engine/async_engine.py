@@ -198,6 +198,11 @@ class AsyncEngine:
     async def resume(self) -> None:
         await self._submit(EngineCommand.RESUME, None)
 
+    async def hold(self, on: bool) -> None:
+        """`cluster.colocate`: stop stepping while the trainer trains (`True`), requests
+        kept; run again (`False`). The engine thread then waits, so its threads are free."""
+        await (self.pause() if on else self.resume())
+
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps (tests, admin)."""
         return await self._submit(EngineCommand.CALL, fn)
