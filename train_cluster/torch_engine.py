@@ -150,6 +150,34 @@ class TorchTrainEngine(TrainEngine):
         logger.info("TorchTrainEngine rank %d/%d on %s (%s, %s, %d threads)", self.rank, self.world_size,
                     self.device, backend.strategy if self.world_size > 1 else "single", dtype, backend.threads)
 
+    # ---- colocated: the devices between steps belong to the rollout servers ---------------
+
+    def offload(self) -> None:
+        """`cluster.colocate` on CUDA: move the weights, the optimizer state (and the KL
+        reference) to host memory and free the cache, so a rollout server on the same GPU
+        can wake; `onload` brings them back before the next step. No-op on CPU. Tensors
+        handed out earlier (a weight broadcast still reading them) stay valid: parameters
+        get new storage, the old one is not written."""
+        self._move(torch.device("cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        if self.device.type != "cuda":
+            return
+        self._module.to(device)
+        if self._ref is not None:
+            self._ref.to(device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.device != device and k != "step":
+                    state[k] = v.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     # ---- weights and checkpoints --------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

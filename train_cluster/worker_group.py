@@ -87,9 +87,12 @@ class _TrainWorker:
         return f"{ip}:{free_port(ip)}"
 
     def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str,
-              seed: int, lend: dict[str, Any] | None = None) -> tuple[int, int]:
+              seed: int, lend: dict[str, Any] | None = None, offload: bool = False) -> tuple[int, int]:
         """Join the group, build the engine the backend asks for; returns (version, dp rank).
-        `lend` ({"path", "borrow"}): the machine's core ledger (docs/design.md §10.16)."""
+        `lend` ({"path", "borrow"}): the machine's core ledger (docs/design.md §10.16).
+        `offload`: `cluster.colocate` on CUDA: the model and optimizer live in host memory
+        between steps (docs/design.md §10.17)."""
+        self.offload = offload
         from train_cluster.torch_engine import TorchTrainEngine, init_train_group
 
         cfg = TrainConfig.model_validate(train_cfg)
@@ -103,6 +106,8 @@ class _TrainWorker:
             self.engine = MegatronTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
             return self.engine.version, self.engine.dp_rank
         self.engine = TorchTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
+        if offload:
+            self.engine.offload()
         if lend and cfg.backend.device == "cpu":
             from areal_like.core.cores import CoreLedger, ThreadLender
 
@@ -119,8 +124,13 @@ class _TrainWorker:
         ledger = getattr(self, "ledger", None)
         if ledger is not None:
             ledger.working(True)
+        offload = getattr(self, "offload", False)
         try:
+            if offload:
+                self.engine.onload()
             stats = self.engine.train_step(batch)
+            if offload:
+                self.engine.offload()
         finally:
             if ledger is not None:
                 ledger.working(False)
@@ -132,7 +142,13 @@ class _TrainWorker:
         return stats
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.engine.compute_logprobs(batch)
+        if not getattr(self, "offload", False):
+            return self.engine.compute_logprobs(batch)
+        self.engine.onload()
+        try:
+            return self.engine.compute_logprobs(batch)
+        finally:
+            self.engine.offload()
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """Rank 0's weights as CPU copies (final export, recorded weights); every rank takes
@@ -213,6 +229,7 @@ class TrainWorkerGroup:
         console: bool = True,
         launcher: Any = None,
         lend: dict[str, Any] | None = None,
+        colocate: bool = False,
     ) -> None:
         from areal_like.core import actors
 
@@ -234,7 +251,8 @@ class TrainWorkerGroup:
         threads = str(backend.threads)
         options: dict[str, Any] = {
             "num_cpus": backend.threads,
-            "num_gpus": 1 if backend.device == "cuda" else 0,
+            # colocated: half a GPU, the other half is the rollout server's (pools.py)
+            "num_gpus": (0.5 if colocate else 1) if backend.device == "cuda" else 0,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                                          "TOKENIZERS_PARALLELISM": "false",
                                          "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}},
@@ -250,7 +268,8 @@ class TrainWorkerGroup:
             self.workers = self._ray_workers(options, placement_group, log_level, log_file, console)
         store = actors.get(self.workers[0].store_addr.remote())
         cfg = train_cfg.model_dump(mode="json")
-        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed, lend)
+        offload = colocate and backend.device == "cuda"
+        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed, lend, offload)
                                      for w in self.workers], "setup")
         self._version = setups[0][0]
         self._dp_ranks = [int(dp) for _, dp in setups]  # each worker's data shard

@@ -189,6 +189,10 @@ class VLLMEngineConfig(_Section):
     enforce_eager: bool | None = None
     """Skip CUDA graph capture. None: CUDA graphs on GPU, eager on CPU; true forces
     eager everywhere (faster start, slower decoding)."""
+    enable_sleep_mode: bool = False
+    """On GPU: while the server holds for a train step, vLLM sleeps (weights to host
+    memory, KV cache freed) and wakes after it. `cluster.colocate` turns it on; ignored
+    on CPU."""
 
 
 EngineConfig = Annotated[EmbeddedEngineConfig | VLLMEngineConfig, Field(discriminator="type")]
@@ -540,6 +544,7 @@ class ExperimentConfig(_Section):
                 f"staleness.max_concurrent={self.staleness.max_concurrent} < rollout.group_size="
                 f"{self.rollout.group_size}: groups are admitted whole, so no group could ever start"
             )
+        self._check_colocate()
         if self.train.stop_at_eval_accuracy is not None and (self.eval.every_n_steps <= 0
                                                              or self.eval.num_samples <= 0):
             raise ValueError(
@@ -547,6 +552,26 @@ class ExperimentConfig(_Section):
                 f"eval.every_n_steps={self.eval.every_n_steps}, eval.num_samples={self.eval.num_samples}"
             )
         return self
+
+    def _check_colocate(self) -> None:
+        """`cluster.colocate` with GPUs: the servers run on the train pool's GPUs, one TP=1
+        server per GPU, beside a torch trainer that offloads between steps."""
+        c, engine, backend = self.cluster, self.rollout.engine, self.train.backend
+        if not c.colocate:
+            return
+        if c.rollout_pool.num_gpus:
+            raise ValueError(f"cluster.colocate: the rollout servers run on the train pool's GPUs; set "
+                             f"cluster.rollout_pool.num_gpus=0 (got {c.rollout_pool.num_gpus}) and give the GPUs to "
+                             "cluster.train_pool.num_gpus")
+        if engine.type == "vllm":
+            if engine.tensor_parallel_size > 1:
+                raise ValueError(f"cluster.colocate runs one vLLM server per shared GPU: "
+                                 f"rollout.engine.tensor_parallel_size must be 1 (got {engine.tensor_parallel_size})")
+            if not engine.enable_sleep_mode:
+                engine.enable_sleep_mode = True
+        if backend.type == "megatron" and backend.device == "cuda":
+            raise ValueError("cluster.colocate with train.backend.type=megatron on cuda is not built (the Megatron "
+                             "engine cannot offload between steps): use train.backend.type=torch, or two pools")
 
     @property
     def samples_per_step(self) -> int:

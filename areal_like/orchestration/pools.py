@@ -21,7 +21,8 @@ from typing import Any
 
 from areal_like.core.config import ConfigError, ExperimentConfig
 
-__all__ = ["MIN_CPU_SHARE", "check_pools", "gpus_per_server", "place", "rollout_bundles", "train_bundles",
+__all__ = ["COLOCATED_GPU_SHARE", "MIN_CPU_SHARE", "check_pools", "gpus_per_server", "place", "rollout_bundles",
+           "server_gpu_request", "train_bundles",
            "vllm_is_cpu_build"]
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,24 @@ def vllm_is_cpu_build() -> bool:
     return True
 
 
+COLOCATED_GPU_SHARE = 0.5
+"""`cluster.colocate` with GPUs: what a rollout server and a train rank each ask Ray for of
+the GPU they share (the two halves fill it, so Ray puts them on the same one when the
+cluster has no other GPU free for either)."""
+
+
+def server_gpu_request(cfg: ExperimentConfig) -> float:
+    """GPUs a server asks Ray for: its own, or half of one it shares with a train rank."""
+    gpus = gpus_per_server(cfg)
+    return gpus * COLOCATED_GPU_SHARE if cfg.cluster.colocate else float(gpus)
+
+
 def rollout_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
-    """One bundle per server: its share of the pool's CPUs and its own GPUs."""
+    """One bundle per server: its share of the pool's CPUs and its own GPUs (colocated:
+    half of a train pool's GPU)."""
     pool, n = cfg.cluster.rollout_pool, cfg.rollout.num_servers
     share = pool.num_cpus / n
-    gpus = gpus_per_server(cfg)
+    gpus = server_gpu_request(cfg)
     return [{"CPU": share, **({"GPU": float(gpus)} if gpus else {})} for _ in range(n)]
 
 
@@ -65,6 +79,8 @@ def train_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
     pool, b = cfg.cluster.train_pool, cfg.train.backend
     ranks = b.tensor_parallel_size * b.data_parallel_size if b.type == "megatron" else b.world_size
     gpus = pool.num_gpus / ranks if pool.num_gpus else 0.0
+    if cfg.cluster.colocate:
+        gpus *= COLOCATED_GPU_SHARE
     return [{"CPU": pool.num_cpus / ranks, **({"GPU": gpus} if gpus else {})} for _ in range(ranks)]
 
 
@@ -79,6 +95,13 @@ def check_pools(cfg: ExperimentConfig) -> None:
             f"{-(-n * MIN_CPU_SHARE // 1):.0f} or lower rollout.num_servers"
         )
     gpus = gpus_per_server(cfg)
+    if gpus and cfg.cluster.colocate:
+        have = cfg.cluster.train_pool.num_gpus
+        if n * gpus > have:
+            raise ConfigError(
+                f"rollout.num_servers={n} does not fit cluster.colocate: each server shares one of the train pool's "
+                f"GPUs and cluster.train_pool.num_gpus={have}: lower rollout.num_servers to {have} or fewer")
+        return
     if gpus and n * gpus > pool.num_gpus:
         what = (f"tensor_parallel_size={cfg.rollout.engine.tensor_parallel_size} GPU(s)"
                 if cfg.rollout.engine.type == "vllm" else "1 GPU")

@@ -55,7 +55,7 @@ class ServerPool:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from areal_like.orchestration.pools import gpus_per_server, rollout_bundles
+        from areal_like.orchestration.pools import rollout_bundles, server_gpu_request
         from rollout_cluster.server_actor import ServerActor
 
         cfg = self.cfg
@@ -63,7 +63,7 @@ class ServerPool:
         bundle = rollout_bundles(cfg)[i]
         threads = str(cfg.rollout.server_threads)
         actor = ray.remote(ServerActor).options(
-            name=None, num_cpus=bundle["CPU"], num_gpus=gpus_per_server(cfg), max_restarts=0,
+            name=None, num_cpus=bundle["CPU"], num_gpus=server_gpu_request(cfg), max_restarts=0,
             max_concurrency=10_000,
             # every generate call and metrics poll is an actor task: Ray's GCS would keep an
             # event for each (the one-hour soak saw its memory grow 20 %); we never read them

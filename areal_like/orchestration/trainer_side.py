@@ -86,6 +86,7 @@ class TrainerSide:
                 if lending else None)
         self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed, lend=lend,
                                       placement_group=self.placement_group, launcher=self.launcher,
+                                      colocate=cfg.cluster.colocate,
                                       log_level=cfg.run.log_level,
                                       log_file=run_log_path(cfg.run.dir), console=cfg.run.verbose)
         trainer = self.group

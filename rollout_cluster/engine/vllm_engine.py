@@ -187,6 +187,8 @@ def engine_args_kwargs(
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
     if config.max_num_seqs is not None:
         kwargs["max_num_seqs"] = config.max_num_seqs
+    if config.enable_sleep_mode and not cpu:
+        kwargs["enable_sleep_mode"] = True
     if cpu:
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(config.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -698,6 +700,9 @@ class VLLMEngine:
         self._lock = asyncio.Lock()
         self._calls: dict[str, _Call] = {}
         self._closed = False
+        self._held = False
+        self._asleep = False
+        self._sleeps = bool(kwargs.get("enable_sleep_mode"))
         self.counters = EngineCounters()
 
     @property
@@ -922,10 +927,39 @@ class VLLMEngine:
                 # Resume even when the load failed: the engine keeps serving (on the
                 # version it had) instead of staying paused forever. A dead engine has
                 # nothing to resume; its waiting calls fail at once.
-                if paused and not self._llm.errored:
+                if paused and not self._llm.errored and not self._held:
                     await self._guard(self._llm.resume_generation())
-                self._open.set()
+                if not self._held:  # held for the trainer: `hold(False)` resumes and opens
+                    self._open.set()
             self.counters.record_pause(time.perf_counter() - t0)
+
+    async def hold(self, on: bool) -> None:
+        """`cluster.colocate`: give the devices to the trainer's step (`True`) or take them
+        back. Holding closes the gate, pauses vLLM (in-flight requests end with their
+        partial tokens and resubmit prompt + partial when the engine runs again, as after
+        a weight update) and, with sleep mode, sleeps (weights to host memory, KV cache
+        freed); releasing wakes, resumes and reopens the gate."""
+        async with self._lock:
+            if on == self._held:
+                return
+            if on:
+                self._open.clear()
+                self._held = True
+                inflight = list(self._calls.values())
+                for call in inflight:
+                    call.resume = True
+                await self._guard(_pause(self._llm, mode="abort", clear_cache=True))
+                await self._abort_stragglers(inflight)
+                if self._sleeps:
+                    await self._guard(self._llm.sleep(level=1))
+                    self._asleep = True
+                return
+            if self._asleep:
+                await self._guard(self._llm.wake_up())
+                self._asleep = False
+            await self._guard(self._llm.resume_generation())
+            self._held = False
+            self._open.set()
 
     async def _abort_stragglers(self, calls: list[_Call], timeout_s: float = 60.0) -> None:
         """Make sure no request submitted under the old weights outlives the pause.
