@@ -143,10 +143,10 @@ class TrainerController:
         self.data_position: dict[str, int] | None = None
         self.last_meta: WeightUpdateMeta | None = None
         self._in_flight: int | None = None
+        """The published version whose broadcast may still run (see `_end_transfer`)."""
         self._hold = 0
         """`cluster.colocate`: the hold number announced while a step wants the devices (0: none)."""
         self._hold_seq = 0
-        """The published version whose broadcast may still run (see `_end_transfer`)."""
         self.resumed_meta: WeightUpdateMeta | None = None
         self.idle_s = 0.0
         self.straggler_wait_s = 0.0

@@ -331,6 +331,9 @@ class AsyncEngine:
                 return results
             case EngineCommand.PAUSE:
                 self._paused = True
+                if self.lender is not None:  # free before the caller hears back (colocated trainers take them)
+                    self.lender.done()
+                    self.lender.ledger.working(False)
             case EngineCommand.RESUME:
                 self._paused = False
             case EngineCommand.CALL:
