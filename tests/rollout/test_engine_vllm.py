@@ -643,3 +643,50 @@ def test_real_seeded_concurrent_long_prompts_are_deterministic_and_report_vllm_m
                 "vllm_prefix_cache_queries", "vllm_prefix_cache_hits", "kv_usage", "queue_depth"):
         assert key in m, key
     assert m["vllm_prefix_cache_queries"] > 0 and m["engine_dead"] == 0.0
+
+
+@pytest.mark.vllm
+def test_real_hold_stops_generation_until_released_and_an_update_meanwhile_keeps_it_held(real):
+    """`cluster.colocate` (docs/design.md §10.17): a held engine makes no token, not even
+    once a weight update ran while it was held; released, every request finishes whole,
+    each token's logprob a forward under the version it carries."""
+    h, eng = real, real.engine
+    v = eng.version
+    new = h.perturbed(v, seed=v + 7)
+    prompts = [h.prompt(f"What is {300 + 13 * i} + {17 * i}?") for i in range(3)]
+    n_tok = 120
+
+    def sp(i):
+        return SamplingParams(temperature=1.0, max_tokens=n_tok, seed=500 + i, ignore_eos=True)
+
+    async def scenario():
+        start = eng.metrics()["generated_tokens"]
+        calls = [asyncio.create_task(eng.generate(request_id=f"held{i}", prompt_ids=p, sampling_params=sp(i)))
+                 for i, p in enumerate(prompts)]
+        await h.wait_tokens(start + 5 * len(prompts))
+        await eng.hold(True)
+        await eng.hold(True)  # idempotent
+        at_hold = eng.metrics()["generated_tokens"]
+        await asyncio.sleep(0.5)
+        assert eng.metrics()["generated_tokens"] == at_hold and not any(c.done() for c in calls)
+        await eng.update_weights(list(new.items()), v + 1)
+        await asyncio.sleep(0.5)
+        assert eng.metrics()["generated_tokens"] == at_hold  # the update did not reopen a held engine
+        late = asyncio.create_task(eng.generate(request_id="held-late", prompt_ids=prompts[0],
+                                                sampling_params=sp(9)))
+        await asyncio.sleep(0.3)
+        assert not late.done() and eng.metrics()["generated_tokens"] == at_hold  # new calls wait too
+        await eng.hold(False)
+        return await asyncio.gather(*calls), await late
+
+    results, late = h.run(scenario())
+    h.weights[v + 1] = new
+    import torch
+
+    for p, r in zip(prompts, results, strict=True):
+        assert len(r.token_ids) == len(r.logprobs) == len(r.versions) == n_tok and r.stop_reason == "length"
+        assert r.versions == sorted(r.versions) and v in r.versions and v + 1 in r.versions
+        want = torch.where(torch.tensor(r.versions) == v, h.hf_logprobs(v, p, r.token_ids),
+                           h.hf_logprobs(v + 1, p, r.token_ids))
+        assert float((torch.tensor(r.logprobs) - want).abs().max()) < TOL, r.request_id
+    assert late.versions == [v + 1] * n_tok
