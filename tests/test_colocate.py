@@ -105,3 +105,33 @@ def test_a_colocated_run_trains_every_step_on_both_pools_threads(tiny_model_dir,
     held = max(r.get("rollout_held_s", 0.0) for r in recs if r["kind"] == "rollout")
     assert held > 0
     assert recs[-1]["kind"] == "summary" and recs[-1]["counts_add_up"]
+
+
+def test_colocated_clusters_started_in_two_shells_take_turns(tiny_model_dir, tmp_path) -> None:
+    """`areal-like train` and `areal-like rollout` as separate commands: the hold travels
+    on the channels they already share, so every step waits for the servers to hold."""
+    run_dir = tmp_path / "run"
+    port = 23000 + os.getpid() % 500 * 20
+    sets = [f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.total_steps=3", "train.batch_size=2",
+            "rollout.group_size=4", "staleness.filter_uniform_groups=false", "eval.every_n_steps=0",
+            "eval.num_samples=4", "cluster.colocate=true",
+            f"transport.data_addr=tcp://127.0.0.1:{port}", f"transport.control_addr=tcp://127.0.0.1:{port + 1}",
+            f"weight_sync.store_addr=127.0.0.1:{port + 2}"]
+    args = [x for s in sets for x in ("--set", s)]
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    cli = [sys.executable, "-m", "areal_like.orchestration.cli"]
+    train = subprocess.Popen([*cli, "train", "configs/quickstart.yaml", *args], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rollout = subprocess.Popen([*cli, "rollout", "configs/quickstart.yaml", *args], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out_t, _ = train.communicate(timeout=300)
+    out_r, _ = rollout.communicate(timeout=300)
+    assert train.returncode == 0, out_t[-3000:]
+    assert rollout.returncode == 0, out_r[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in recs if r["kind"] == "train_step"]
+    assert len(steps) == 3 and all("colocate_wait_s" in r for r in steps)
+    logs = out_t + ((run_dir / "run.log").read_text() if (run_dir / "run.log").is_file() else "")
+    assert "did not say within cluster.colocate_timeout_s" not in logs  # each hold was answered
+    assert max(r.get("rollout_held_s", 0.0) for r in recs if r["kind"] == "rollout") > 0
+    assert recs[-1]["kind"] == "summary" and recs[-1]["counts_add_up"]
