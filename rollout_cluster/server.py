@@ -285,7 +285,11 @@ class RolloutServer:
         state. Idempotent."""
         if on == (self._held_since is not None):
             return
-        await self.engine.hold(on)  # type: ignore[attr-defined]
+        hold = getattr(self.engine, "hold", None)
+        if hold is None:
+            raise RuntimeError(f"the engine {type(self.engine).__name__} cannot hold for a train step "
+                               "(cluster.colocate): it has no hold(on)")
+        await hold(on)
         if on:
             self._held_since = time.perf_counter()
         else:
