@@ -41,6 +41,16 @@ def test_colocated_gpus_are_shared_half_and_half() -> None:
         check_pools(two)
 
 
+def test_the_colocated_example_in_the_launching_guide_places_as_it_says(tmp_path) -> None:
+    text = (ROOT / "docs" / "launching.md").read_text().split("## Colocated", 1)[1]
+    example = text.split("```yaml", 1)[1].split("```", 1)[0]
+    (tmp_path / "c.yaml").write_text(example)
+    cfg = load_config(tmp_path / "c.yaml")
+    check_pools(cfg)
+    assert cfg.cluster.colocate and cfg.rollout.engine.enable_sleep_mode
+    assert [b["GPU"] for b in rollout_bundles(cfg) + train_bundles(cfg)] == [0.5, 0.5]  # one GPU, shared
+
+
 @pytest.mark.parametrize("sets, message", [
     (["cluster.rollout_pool.num_gpus=1"], "rollout_pool.num_gpus=0"),
     (["rollout.engine.type=vllm", "rollout.engine.tensor_parallel_size=2"], "tensor_parallel_size must be 1"),
