@@ -6,8 +6,9 @@ the engine wrapper), so that a vLLM upgrade is read and changed in one place; th
 functions are tested on their own without vLLM (`tests/rollout/test_engine_vllm.py`).
 The worker extension now also holds each worker's end of the trainer's weight group
 (receive, then load only when every TP worker has the version): it must sit beside
-the pause/resume protocol it runs under, which is why it grew here (~1080 lines)
-rather than into a second module that both would have to keep in step.
+the pause/resume protocol it runs under, which is why it grew here (~1120 lines, with
+`hold` for `cluster.colocate`, which reuses that protocol's abort + resubmit) rather than
+into a second module that both would have to keep in step.
 
 vLLM's `AsyncLLM` (v1) is already asynchronous, so this adapter implements the async
 surface directly instead of a `step()` loop. The interrupt protocol of docs/design.md
