@@ -228,6 +228,11 @@ class ServerManager:
             self._sticky.popitem(last=False)
         return name
 
+    def none_left(self) -> NoServerAvailableError | None:
+        """The error every call would now raise when no server is in rotation and none is
+        being restarted (the run cannot go on); None while one serves or restarts."""
+        return self._none_left() if not self._slots and not self._restarting else None
+
     def _none_left(self) -> NoServerAvailableError:
         if self.last_error is None:
             return NoServerAvailableError("no rollout server is available (all were removed)")

@@ -157,13 +157,14 @@ from importlib.abc import MetaPathFinder
 
 _AFTER = int(os.environ.get("AREAL_TEST_ENGINE_DIES_AFTER", "-1"))
 _INSTANCES = int(os.environ.get("AREAL_TEST_DYING_INSTANCES", "1000000"))
+_ON_WEIGHTS = os.environ.get("AREAL_TEST_ENGINE_DIES_ON_WEIGHTS") == "1"
 
 
 def _patch(module):
     from rollout_cluster.engine.base import EngineDeadError
 
     cls = module.RolloutServer
-    original_init, original_generate = cls.__init__, cls.generate
+    original_init, original_generate, original_receive = cls.__init__, cls.generate, cls.receive_weights
 
     def claim():
         """This server's number over the whole run: each server (and a restart) is its
@@ -188,7 +189,14 @@ def _patch(module):
             raise EngineDeadError("RuntimeError: fake engine root cause 4711", "fake traceback")
         return await original_generate(self, **kwargs)
 
-    cls.__init__, cls.generate = __init__, generate
+    async def receive_weights(self, meta, rendezvous=None):
+        if self._dies and _ON_WEIGHTS:  # dies while it loads a version; its calls in flight finish
+            raise EngineDeadError("RuntimeError: fake engine root cause 4711", "fake traceback")
+        return await original_receive(self, meta, rendezvous)
+
+    cls.__init__, cls.receive_weights = __init__, receive_weights
+    if not _ON_WEIGHTS:
+        cls.generate = generate
 
 
 class _Finder(MetaPathFinder):
@@ -218,14 +226,15 @@ if _AFTER >= 0:
 
 
 def _launch(tmp_path: Path, model: Path, *, after: int, restarts: int, instances: int = 1000000,
-            steps: int = 3) -> tuple[int, str, float]:
+            steps: int = 3, on_weights: bool = False) -> tuple[int, str, float]:
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (tmp_path / "instances").mkdir()
     (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "AREAL_TEST_ENGINE_DIES_AFTER": str(after),
-           "AREAL_TEST_DYING_INSTANCES": str(instances), "AREAL_TEST_INSTANCE_DIR": str(tmp_path / "instances")}
+           "AREAL_TEST_DYING_INSTANCES": str(instances), "AREAL_TEST_INSTANCE_DIR": str(tmp_path / "instances"),
+           "AREAL_TEST_ENGINE_DIES_ON_WEIGHTS": "1" if on_weights else "0"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     sets = [f"model.path={model}", f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}",
             "train.batch_size=2", "rollout.group_size=4", "rollout.response_length=24",
@@ -265,3 +274,25 @@ def test_dead_engine_with_a_restart_comes_back_and_the_run_finishes(tiny_model_d
     log = (tmp_path / "run" / "run.log").read_text()  # the rollout side's lines: the run's log file
     assert "restarting rollout server server-0" in log and "back in rotation" in log, log[-3000:]
     assert "done:" in out
+
+
+# An engine that dies while it loads a version (vLLM's engine core killed during the
+# update, as tests/test_vllm_e2e.py does): the weight update is the only call that sees
+# it when nothing is in flight and the gate admits nothing new until the side catches up
+# (what CI hit, 2026-11-25). The fake lets calls go on working, so only the update path
+# can notice.
+def test_engine_dead_at_a_weight_update_restarts_the_server(tiny_model_dir, tmp_path) -> None:
+    rc, out, _ = _launch(tmp_path, tiny_model_dir, after=0, restarts=1, instances=1, on_weights=True)
+    assert rc == 0, out[-3000:]
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert f"rollout server server-0 failed ({ROOT_CAUSE})" in log, log[-3000:]
+    assert "restarting rollout server server-0" in log and "back in rotation" in log, log[-3000:]
+
+
+def test_engine_dead_at_a_weight_update_with_no_restart_left_stops_the_run(tiny_model_dir, tmp_path) -> None:
+    rc, out, took = _launch(tmp_path, tiny_model_dir, after=0, restarts=0, steps=50, on_weights=True)
+    assert rc == 1, out[-3000:]
+    error_lines = [x for x in out.splitlines() if x.startswith("error:")]
+    assert error_lines and error_lines[0] == f"error: {ROOT_CAUSE}", out[-3000:]
+    assert "no rollout server is left" in out, out[-3000:]
+    assert took < 120, took

@@ -109,12 +109,17 @@ class FailFast:
         if self.first is None:
             self.first = FirstError.of(error)
         if isinstance(error, NoServerAvailableError):
-            self._trip("no rollout server is left (every server failed and none is being restarted)",
-                       FirstError.of(error))
+            self.no_server_left(error)
         elif (len(self._window) == self._window.maxlen and self.max_failure_ratio < 1.0
               and self._window_failed > self.max_failure_ratio * len(self._window)):
             self._trip(f"{self._window_failed} of the last {len(self._window)} episodes failed "
                        f"(more than agent.max_failure_ratio={self.max_failure_ratio})")
+
+    def no_server_left(self, error: NoServerAvailableError) -> None:
+        """Every server failed and none is being restarted (seen by an episode, or by a
+        weight update that found them dead): nothing can be generated any more."""
+        self._trip("no rollout server is left (every server failed and none is being restarted)",
+                   FirstError.of(error))
 
     def group(self, failed: int, size: int) -> None:
         """A group ended with `failed` of its `size` episodes failed."""

@@ -42,6 +42,7 @@ from areal_like.core.types import (
 )
 from areal_like.orchestration.dataset import PromptSource
 from areal_like.orchestration.fail_fast import FailFast
+from rollout_cluster.server_manager import NoServerAvailableError
 
 __all__ = ["RolloutController", "RolloutRefused"]
 
@@ -312,6 +313,9 @@ class RolloutController:
         if meta is not None and (meta.version > self.loaded_version or again):
             try:
                 version = await self.apply_weights(meta)
+            except NoServerAvailableError as e:  # the servers died with the update: the run ends
+                self.fail_fast.no_server_left(e)
+                self._wake.set()
             except Exception as e:  # keep serving the old version; the next one retries
                 log.error("weight update to v%d failed, still serving v%d: %s", meta.version, self.loaded_version, e)
             else:

@@ -226,7 +226,7 @@ class RolloutSide:
         async with self._weights_lock:
             ok, failed = await self.pool.receive(meta)
             for name, e in failed.items():
-                if _is_actor_death(e):
+                if _is_server_death(e):  # its process, or its engine (vLLM's engine core) died
                     self.manager.mark_failed(name, e)
                 elif ok and name in self.manager.server_names:
                     log.warning("rollout server %s missed v%d (%s); out of rotation until it receives a later "
@@ -235,6 +235,9 @@ class RolloutSide:
                     self._lagging.add(name)
             if not ok:
                 first = next(iter(failed.values()), None)
+                none_left = self.manager.none_left()
+                if none_left is not None:  # dead, and its restarts are spent: nothing can serve
+                    raise none_left
                 raise WeightSyncError(f"no rollout server loaded v{meta.version}: "
                                       f"{_headline(first) if first else 'no server is alive'}")
             for name in list(self._lagging):
@@ -289,6 +292,15 @@ def _is_actor_death(error: BaseException) -> bool:
     from areal_like.core.actors import is_actor_death
 
     return is_actor_death(error)
+
+
+def _is_server_death(error: BaseException) -> bool:
+    """The server is gone (its actor) or can serve nothing again (its engine is dead):
+    restart it, as a failed `generate` would, rather than wait for a later version."""
+    from rollout_cluster.engine.base import EngineDeadError
+
+    cause = getattr(error, "cause", None)  # Ray wraps what the actor raised
+    return _is_actor_death(error) or isinstance(error, EngineDeadError) or isinstance(cause, EngineDeadError)
 
 
 def _headline(error: BaseException) -> str:
