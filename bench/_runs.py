@@ -6,7 +6,9 @@ own engines), so runs cannot leak state into each other. The machines these run 
 are shared: a background process halves throughput on 2 cores. `CpuMonitor` samples
 every second the busy CPU time of the whole machine and of the run's own session
 (the CLI and every process it started, Ray's included) and reports the difference
-as the cores other processes took.
+as the cores other processes took. `CpuMonitor(root_pid=...)` counts a process tree
+instead (the process, its descendants and the sessions they lead): what `bench/_record.py`
+uses for the whole benchmark.
 """
 
 from __future__ import annotations
@@ -27,16 +29,31 @@ ROOT = Path(__file__).resolve().parent.parent
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
 def _busy(t: Any) -> float:
     return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
 class CpuMonitor:
-    """Cores used by processes outside session `sid` (and their own cores), sampled each second."""
+    """Cores used by processes outside session `sid` (and their own cores), sampled each second.
 
-    def __init__(self, sid: int, interval_s: float = 1.0) -> None:
-        self.sid, self.interval_s = sid, interval_s
-        self._cpu: dict[int, float] = {}
+    With `root_pid` instead of `sid`, "own" is that process, its descendants, and every
+    process in a session one of those descendants leads (a daemon that re-parented itself
+    stays in its session); everything else on the machine is "other".
+    """
+
+    def __init__(self, sid: int | None = None, interval_s: float = 1.0, *, root_pid: int | None = None) -> None:
+        if (sid is None) == (root_pid is None):
+            raise ValueError("CpuMonitor needs exactly one of sid and root_pid")
+        self.sid, self.root_pid, self.interval_s = sid, root_pid, interval_s
+        self._cpu: dict[Any, float] = {}
+        self._sids: set[int] = set()
         self._stop = threading.Event()
         self.other_s = 0.0
         self.own_s = 0.0
@@ -44,7 +61,8 @@ class CpuMonitor:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _own(self) -> float:
-        total = 0.0
+        if self.root_pid is not None:
+            return self._own_tree()
         for p in psutil.process_iter(["pid"]):
             try:
                 if os.getsid(p.pid) != self.sid:
@@ -54,12 +72,40 @@ class CpuMonitor:
             except (psutil.Error, ProcessLookupError, PermissionError):
                 continue
         # Processes that exited keep their last reading, so the sum never goes back.
-        total = sum(self._cpu.values())
-        return total
+        return sum(self._cpu.values())
+
+    def _own_tree(self) -> float:
+        assert self.root_pid is not None
+        procs: dict[int, psutil.Process] = {}
+        try:
+            root = psutil.Process(self.root_pid)
+            procs[root.pid] = root
+            for c in root.children(recursive=True):
+                procs[c.pid] = c
+        except psutil.Error:
+            pass
+        for p in procs.values():
+            if _sid(p.pid) == p.pid:  # it leads a session (the root's own, if it leads one)
+                self._sids.add(p.pid)
+        if self._sids:
+            for p in psutil.process_iter(["pid"]):
+                if p.pid not in procs and _sid(p.pid) in self._sids:
+                    procs[p.pid] = p
+        for p in procs.values():
+            try:
+                t = p.cpu_times()
+                key = (p.pid, p.create_time())
+                # Own time only: a reaped child's time would come back in children_*.
+                self._cpu[key] = max(self._cpu.get(key, 0.0), t.user + t.system)
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+        return sum(self._cpu.values())
 
     def _loop(self) -> None:
         t0, sys0, own0 = time.time(), _busy(psutil.cpu_times()), self._own()
-        while not self._stop.wait(self.interval_s):
+        stopping = False
+        while not stopping:
+            stopping = self._stop.wait(self.interval_s)  # the last round covers the part interval
             t1, sys1, own1 = time.time(), _busy(psutil.cpu_times()), self._own()
             d_own = max(0.0, own1 - own0)
             self.own_s += d_own

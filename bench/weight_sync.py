@@ -1,6 +1,7 @@
 """Weight-sync throughput: the dist transport against a raw gloo broadcast of the same bytes.
 
-Run: `python bench/weight_sync.py [--receivers 1] [--bucket-mb 64] [--reps 10]`.
+Run: `python bench/weight_sync.py [--receivers 1] [--bucket-mb 64] [--reps 10] [--smoke]`
+(`--smoke`: one rep, and a 1-layer, 128-wide model in place of the 100M one).
 
 For the quickstart model and a ~100M-parameter Qwen2-like layout (random tensors),
 the trainer side (this process) sends versions through `DistWeightSender`; receiver
@@ -18,27 +19,35 @@ best reps. `ratio_to_raw_broadcast` is the median over reps of raw_broadcast_s /
 the two measured back to back so that both see the same load from other jobs on a
 shared box (target ≥ 0.7); the ratio of medians and the ratio of best reps are
 reported too. The top-level `ratio_to_raw_broadcast` is the 100M model's. Progress goes to stderr,
-the last line of stdout is one JSON object.
+the last line of stdout is one JSON object (bench/_record.py).
+
+A receiver that fails (an import, the rendezvous, a transfer) fails this process within a
+second with the receiver's traceback, instead of leaving it in a rendezvous until timeout.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import multiprocessing as mp
+import os
+import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
+
 # Run as a script, this file's folder comes first on sys.path and its name would
 # shadow the `weight_sync` package it measures.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -101,11 +110,22 @@ def _timed_raw_broadcast(group: Any, buf: torch.Tensor) -> float:
 
 
 def receiver_main(
-    rid: str, rank: int, size: int, store_addr: str, raw_port: int, inbox: Any, outbox: Any
+    rid: str, rank: int, size: int, store_addr: str, raw_port: int, inbox: Any, outbox: Any, errbox: Any
 ) -> None:
-    """A receiver process: answers each wire-encoded meta with its timings."""
+    """A receiver process; its error, if any, goes to `errbox` before it exits non-zero."""
+    try:
+        _receiver(rid, rank, size, store_addr, raw_port, inbox, outbox)
+    except BaseException:
+        errbox.put((rid, traceback.format_exc()))
+        errbox.close()
+        errbox.join_thread()
+        raise
+
+
+def _receiver(rid: str, rank: int, size: int, store_addr: str, raw_port: int, inbox: Any, outbox: Any) -> None:
+    """Answers each wire-encoded meta with its timings."""
     torch.set_num_threads(1)
-    from areal_like import wire
+    from areal_like.core import wire
     from areal_like.core.config import DistWeightSyncConfig
     from areal_like.core.types import WeightUpdateMeta
     from weight_sync import DistWeightReceiver
@@ -147,7 +167,7 @@ def bench_model(
     outbox: Any,
     reps: int,
 ) -> dict[str, Any]:
-    from areal_like import wire
+    from areal_like.core import wire
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     params = sum(t.numel() for t in tensors.values())
@@ -207,12 +227,40 @@ def bench_model(
     return result
 
 
+def _watch(procs: list[Any], errbox: Any, stopping: threading.Event) -> None:
+    """Fail this process as soon as a receiver fails, with the receiver's traceback.
+
+    The main thread may be blocked in a gloo rendezvous or broadcast that only a timeout
+    ends; this thread reports the receiver's error and exits the process instead."""
+    while not stopping.wait(0.2):
+        try:
+            rid, tb = errbox.get_nowait()
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode is not None]
+            if not dead or stopping.is_set():
+                continue
+            try:
+                rid, tb = errbox.get(timeout=2)
+            except queue.Empty:
+                rid, tb = dead[0].name, f"exited with code {dead[0].exitcode} before it was told to stop\n"
+        if stopping.is_set():
+            return
+        sys.stderr.write(f"bench/weight_sync.py: receiver {rid} failed, stopping:\n{tb}")
+        sys.stderr.flush()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        os._exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--receivers", type=int, default=1)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--reps", type=int, default=10)
-    args = parser.parse_args()
+    parser.add_argument("--big-layers", type=int, default=12, help="layers of the ~100M Qwen2-layout model")
+    parser.add_argument("--big-hidden", type=int, default=768, help="hidden size of the ~100M Qwen2-layout model")
+    args, rec = _record.parse(parser, __file__, smoke={"reps": 1, "big_layers": 1, "big_hidden": 128})
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     from areal_like.core.config import DistWeightSyncConfig
@@ -223,34 +271,40 @@ def main() -> None:
     raw_store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
+    errbox = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(args.receivers)]
     size = args.receivers + 1
     procs = [
         ctx.Process(
             target=receiver_main,
-            args=(f"r{i}", i + 1, size, sender.store_addr, raw_store.port, q, outbox),
+            args=(f"r{i}", i + 1, size, sender.store_addr, raw_store.port, q, outbox, errbox),
+            name=f"r{i}",
             daemon=True,
         )
         for i, q in enumerate(inboxes)
     ]
     for p in procs:
         p.start()
+    stopping = threading.Event()
+    threading.Thread(target=_watch, args=(procs, errbox, stopping), daemon=True).start()
     try:
         raw_group = _raw_group(raw_store, 0, size, 120)
         _gather(outbox, args.receivers)
         sender.wait_for_receivers(args.receivers, timeout=120)
-        models = {"quickstart": quickstart(), "qwen2_100m": qwen2_like()}
+        models = {"quickstart": quickstart(),
+                  "qwen2_100m": qwen2_like(hidden=args.big_hidden, layers=args.big_layers)}
         results = {
             name: bench_model(name, tensors, sender, raw_group, inboxes, outbox, args.reps)
             for name, tensors in models.items()
         }
     finally:
+        stopping.set()
         for q in inboxes:
             q.put(("stop", None))
         for p in procs:
             p.join(30)
         sender.close()
-    summary = {
+    rec.finish({
         "bench": "weight_sync",
         "transport": "dist/gloo",
         "receivers": args.receivers,
@@ -258,8 +312,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         **results,
         "ratio_to_raw_broadcast": results["qwen2_100m"]["ratio_to_raw_broadcast"],
-    }
-    sys.stdout.write(json.dumps(summary) + "\n")
+    })
 
 
 if __name__ == "__main__":
