@@ -13,9 +13,9 @@ response token carries a mask, a behaviour logprob and a version; tokens with ma
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "SamplingParams",
@@ -23,6 +23,7 @@ __all__ = [
     "GenerateResult",
     "StopReason",
     "AgentLoopOutput",
+    "LoopExtra",
     "Trajectory",
     "TrajectoryGroup",
     "RolloutStats",
@@ -129,6 +130,32 @@ def _check_provenance(
             )
 
 
+_MOVED_FROM_EXTRA = ("final_text", "messages", "episode_id", "stop_reason", "termination")
+"""Keys loops once put in `AgentLoopOutput.extra`; each is now a field of its own."""
+
+
+class LoopExtra(dict):
+    """`AgentLoopOutput.extra`: a plain dict, except for the keys that moved to fields.
+
+    A reward written when the final text was `output.extra["final_text"]` would get a bare
+    `KeyError` (or, with `.get(..., "")`, an empty string scored 0 on every episode). Both
+    `extra[key]` and `extra.get(key)` of a moved key that the loop did not put there raise
+    a `KeyError` naming the field to read instead (`output.final_text`), so the episode
+    fails with that reason and the reward is fixed once, not trained on silently."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise _moved(key) if key in _MOVED_FROM_EXTRA else KeyError(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in _MOVED_FROM_EXTRA and key not in self:
+            raise _moved(key)
+        return super().get(key, default)
+
+
+def _moved(key: str) -> KeyError:
+    return KeyError(f"output.extra[{key!r}] is no longer set: read output.{key} (AgentLoopOutput.{key}) instead")
+
+
 class AgentLoopOutput(_Strict):
     """What `AgentLoopBase.run` returns: one episode, prompt and response tokens."""
 
@@ -152,8 +179,9 @@ class AgentLoopOutput(_Strict):
     """Of the last generate call (`abort` means the engine gave up on the episode)."""
     termination: str | None = None
     """Why the loop ended (`stop`, `length`, `max_turns`, ...)."""
-    extra: dict[str, Any] = Field(default_factory=dict)
-    """The loop's own data; the pipeline never reads it."""
+    extra: Annotated[dict[str, Any], AfterValidator(LoopExtra)] = Field(default_factory=LoopExtra)
+    """The loop's own data; the pipeline never reads it. A `LoopExtra`: reading a key that
+    moved to a field (`extra["final_text"]`) raises a `KeyError` naming the field."""
 
     @model_validator(mode="before")
     @classmethod
