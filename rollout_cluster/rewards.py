@@ -15,12 +15,31 @@ from `BUILTIN_REWARDS`; user code is `file.py:fn` / `pkg.mod:fn` via the loader.
 
 Reward functions written for TRL (docs/design.md §10.13) — `f(completions, prompts=None,
 completion_ids=None, **kwargs) -> list[float]`, recognised by a parameter named
-`completions` or `prompts` — are adapted by `as_reward_fn`: each episode is scored on
-its own with one-element lists, `completions` is the final text (chat messages
-`[{"role": "assistant", "content": ...}]` when the dataset's prompt was a list of
-messages, as TRL does), `prompts` likewise, `completion_ids` the generated token ids,
-and every dataset column (`answer` and the row's other columns, kept in `extra`) a
-one-element list keyword. A `None` entry is a failed reward (`bad_value`).
+`completions` or `prompts` — are adapted by `as_reward_fn` and called as TRL's
+`GRPOTrainer` calls them (`_calculate_rewards`), with one-element lists since each
+episode is scored on its own:
+
+- every column of the dataset row under its own name, as the dataset held it (the row's
+  `columns`, kept by `normalise_row`): a prompt column named by `dataset.prompt_key`
+  (`q`) arrives as `q`, the answer column once, under its name, with its value
+  unconverted. As in TRL, columns named `prompt`, `completion` or `completion_ids` are
+  not passed by name (the prompt is `prompts`);
+- `prompts`: the prompt as the dataset held it: a string for a standard dataset, the
+  list of chat messages for a conversational one;
+- `completions`: the agent's final answer (`output.final_text`, the last assistant turn
+  with tool calls removed): the string for a standard dataset, and for a conversational
+  one `[{"role": "assistant", "content": ...}]`, as TRL does;
+- `completion_ids`: the token ids of that same last assistant turn (the last run of
+  generated tokens, its end-of-turn token included). For a single-turn episode these are
+  all of the response, as in TRL. For a multi-turn tool episode `completions` and
+  `completion_ids` cover the same text, the final answer, not the tool calls and results
+  before it (TRL, whose own tool loop returns the whole exchange, has no standard-dataset
+  equivalent); a reward that needs the whole exchange takes `(sample, output)` and reads
+  `output.messages` or `output.response_ids`.
+
+TRL's `trainer_state`, `log_extra`, `log_metric` and `environments` are not passed. A
+row not made by `normalise_row` (no `columns`) passes its `extra` entries and `answer`.
+A `None` entry is a failed reward (`bad_value`).
 
 A timed-out sync reward keeps its thread busy until it returns (threads cannot be
 killed); it no longer blocks the episode or the loop. Each sync call gets its own
@@ -47,7 +66,7 @@ from areal_like.tasks.arithmetic import arithmetic_reward
 from rollout_cluster.loader import UserCodeError, is_user_code_spec, load_object
 
 __all__ = ["BUILTIN_REWARDS", "RewardError", "RewardFn", "as_reward_fn", "compute_reward", "is_trl_reward",
-           "load_reward"]
+           "last_turn_ids", "load_reward", "trl_reward_kwargs"]
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +126,7 @@ def as_reward_fn(fn: Callable[..., Any]) -> RewardFn:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
     def arguments(sample: dict[str, Any], output: Any) -> dict[str, Any]:
-        text = sample.get("prompt_text")
-        chat = text is None
-        completion: Any = ([{"role": "assistant", "content": output.final_text}] if chat
-                           else output.final_text)
-        ids = [t for t, m in zip(output.response_ids, output.response_mask, strict=True) if m == 1]
-        kwargs: dict[str, Any] = {k: [v] for k, v in (sample.get("extra") or {}).items()}
-        kwargs.update(prompts=[sample.get("prompt") if chat else text], completions=[completion],
-                      completion_ids=[ids], answer=[sample.get("answer")])
+        kwargs = trl_reward_kwargs(sample, output)
         return kwargs if takes_any else {k: v for k, v in kwargs.items() if k in params}
 
     def one(value: Any) -> Any:
@@ -134,6 +146,37 @@ def as_reward_fn(fn: Callable[..., Any]) -> RewardFn:
     trl_reward.__name__ = getattr(fn, "__name__", type(fn).__name__)
     trl_reward._areal_trl = True  # type: ignore[attr-defined]
     return trl_reward
+
+
+_TRL_NOT_BY_NAME = ("prompt", "completion", "completion_ids")
+"""Columns TRL's `GRPOTrainer` does not pass under their own name."""
+
+
+def trl_reward_kwargs(sample: dict[str, Any], output: Any) -> dict[str, Any]:
+    """The keyword arguments a TRL-style reward gets for one episode (see the module
+    docstring): every row column by name, `prompts`, `completions`, `completion_ids`,
+    each a one-element list."""
+    text = sample.get("prompt_text")
+    chat = text is None
+    columns = sample.get("columns")
+    if columns is None:  # a row built by hand rather than by normalise_row
+        columns = {**(sample.get("extra") or {}), "answer": sample.get("answer")}
+    kwargs: dict[str, Any] = {k: [v] for k, v in columns.items() if k not in _TRL_NOT_BY_NAME}
+    completion: Any = [{"role": "assistant", "content": output.final_text}] if chat else output.final_text
+    kwargs.update(prompts=[sample.get("prompt") if chat else text], completions=[completion],
+                  completion_ids=[last_turn_ids(output.response_ids, output.response_mask)])
+    return kwargs
+
+
+def last_turn_ids(ids: list[int], mask: list[int]) -> list[int]:
+    """The ids of the last run of generated tokens (mask 1): the last assistant turn."""
+    end = len(mask)
+    while end and mask[end - 1] != 1:
+        end -= 1
+    start = end
+    while start and mask[start - 1] == 1:
+        start -= 1
+    return list(ids[start:end])
 
 
 async def compute_reward(

@@ -7,8 +7,10 @@ the prompt and answer columns named by `dataset.prompt_key` / `dataset.answer_ke
 A row is a dict: `prompt` (a list of chat messages; a string prompt becomes one user
 message and is also kept as `prompt_text`, so TRL-style rewards see the format the
 dataset used), `answer` (ground truth for the reward, a string), optional
-`agent_name`, `data_source`, `tools_kwargs`, and `extra`: the row's own `extra` object
-plus every other column (so rewards can read them). Bad rows are refused at load with
+`agent_name`, `data_source`, `tools_kwargs`, `extra`: the row's own `extra` object
+plus every other column (so rewards can read them), and `columns`: the row as the
+dataset held it, every column under its own name (what a TRL-style reward receives,
+`rollout_cluster.rewards.as_reward_fn`). Bad rows are refused at load with
 the file and line or row number, never half-used. Over-long prompts are filtered and
 counted by `PromptSource` (the length depends on the tokenizer and chat template).
 
@@ -33,7 +35,7 @@ __all__ = ["DatasetError", "load_rows", "normalise_row", "split_eval", "PromptSo
 log = logging.getLogger(__name__)
 
 _ROLES = {"system", "user", "assistant", "tool"}
-_KNOWN = {"prompt", "answer", "agent_name", "data_source", "extra", "tools_kwargs", "prompt_text"}
+_KNOWN = {"prompt", "answer", "agent_name", "data_source", "extra", "tools_kwargs", "prompt_text", "columns"}
 
 
 class DatasetError(ValueError):
@@ -54,6 +56,7 @@ def normalise_row(row: Any, where: str, *, prompt_key: str = "prompt", answer_ke
         named = [f"{k!r} ({keys['prompt'] if k == prompt_key else keys['answer']})" for k in missing]
         raise DatasetError(f"{where}: missing column(s) {missing}: no {', '.join(named)}; "
                            f"the row has {sorted(map(str, row))}")
+    original = dict(row)
     columns = {k: v for k, v in row.items() if k not in _KNOWN and k not in (prompt_key, answer_key)}
     if answer_key != "answer":
         columns[answer_key] = row[answer_key]
@@ -85,6 +88,7 @@ def normalise_row(row: Any, where: str, *, prompt_key: str = "prompt", answer_ke
         "agent_name": row.get("agent_name"),
         "data_source": row.get("data_source", "unknown"),
         "extra": row.get("extra") or {},
+        "columns": original,
     }
     if out["agent_name"] is not None and not isinstance(out["agent_name"], str):
         raise DatasetError(f"{where}: 'agent_name' must be a string")
