@@ -12,7 +12,7 @@ of printing its result itself:
 
 `finish` adds to the result: `smoke`, `command` (the command line as run), `commit` (git
 short hash, `-dirty` when tracked files other than `bench/results/` and `docs/` differ
-from it), `date` (UTC, ISO 8601, when the benchmark started), `duration_s`, and
+from it), `date` (UTC, ISO 8601, when the benchmark started), `bench_s` (its wall time), and
 `other_cores` / `own_cores`: CPU seconds per wall second used by processes outside /
 inside this benchmark's process tree while it ran (`_runs.CpuMonitor`), out of
 `cpu_count`. It prints the result as one JSON line on stdout and, for a real run, appends
@@ -23,10 +23,12 @@ the summary table of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,9 +62,25 @@ def parse(ap: argparse.ArgumentParser, script: str, smoke: dict[str, Any],
     return args, Recorder(script, smoke=args.smoke, record=not (args.smoke or args.no_record))
 
 
-def smoke_dir(name: str) -> str:
-    """A fresh temporary folder for a smoke run's files (never inside the repository)."""
-    return tempfile.mkdtemp(prefix=f"bench_smoke_{name}_")
+SMOKE_DIR_ENV = "AREAL_BENCH_SMOKE_DIR"
+"""Where smoke runs put their files (tests/test_bench_smoke.py sets it to pytest's tmp_path);
+unset, a temporary folder removed at exit."""
+
+
+def out_dir(given: str | None, name: str, smoke: bool) -> Path:
+    """A benchmark's output folder: `given` (--out), else `runs/bench_<name>` for a real run,
+    else a fresh temporary folder for a smoke run (never inside the repository)."""
+    if given is not None:
+        return Path(given)
+    if not smoke:
+        return ROOT / "runs" / f"bench_{name}"
+    parent = os.environ.get(SMOKE_DIR_ENV)
+    if parent:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{name}_", dir=parent))
+    d = tempfile.mkdtemp(prefix=f"bench_smoke_{name}_")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return Path(d)
 
 
 def command() -> str:
@@ -92,6 +110,9 @@ def commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
+RECORD_KEYS = {"smoke", "command", "commit", "date", "bench_s", "other_cores", "own_cores", "cpu_count"}
+
+
 class Recorder:
     """Started when the arguments are parsed; `finish` ends the benchmark's output."""
 
@@ -111,13 +132,16 @@ class Recorder:
         if self.finished:
             raise RuntimeError("finish() called twice")
         self.finished = True
+        clash = sorted(set(result) & RECORD_KEYS)
+        if clash:
+            raise ValueError(f"the result of bench/{self.name}.py has keys the record adds: {clash}")
         out = {
             **result,
             "smoke": self.smoke,
             "command": self.command,
             "commit": self.commit,
             "date": self.date,
-            "duration_s": round(time.time() - self.t0, 1),
+            "bench_s": round(time.time() - self.t0, 1),
             **self.monitor.result(),
             "cpu_count": os.cpu_count(),
         }

@@ -52,8 +52,9 @@ class CpuMonitor:
         if (sid is None) == (root_pid is None):
             raise ValueError("CpuMonitor needs exactly one of sid and root_pid")
         self.sid, self.root_pid, self.interval_s = sid, root_pid, interval_s
-        self._cpu: dict[Any, float] = {}
+        self._cpu: dict[Any, Any] = {}
         self._sids: set[int] = set()
+        self._gone_s = 0.0
         self._stop = threading.Event()
         self.other_s = 0.0
         self.own_s = 0.0
@@ -75,6 +76,9 @@ class CpuMonitor:
         return sum(self._cpu.values())
 
     def _own_tree(self) -> float:
+        """CPU seconds of the tree so far. Each process counts itself and the children it
+        reaped (`children_*`); a process that is gone keeps its last reading unless its
+        parent is still in the tree (then its time is in the parent's `children_*`)."""
         assert self.root_pid is not None
         procs: dict[int, psutil.Process] = {}
         try:
@@ -91,15 +95,22 @@ class CpuMonitor:
             for p in psutil.process_iter(["pid"]):
                 if p.pid not in procs and _sid(p.pid) in self._sids:
                     procs[p.pid] = p
+        live: set[Any] = set()
         for p in procs.values():
             try:
-                t = p.cpu_times()
-                key = (p.pid, p.create_time())
-                # Own time only: a reaped child's time would come back in children_*.
-                self._cpu[key] = max(self._cpu.get(key, 0.0), t.user + t.system)
+                with p.oneshot():
+                    t, key, ppid = p.cpu_times(), (p.pid, p.create_time()), p.ppid()
             except (psutil.Error, ProcessLookupError, PermissionError):
                 continue
-        return sum(self._cpu.values())
+            live.add(key)
+            total = t.user + t.system + t.children_user + t.children_system
+            self._cpu[key] = (max(self._cpu.get(key, (0.0, 0))[0], total), ppid)
+        live_pids = {k[0] for k in live}
+        for key in [k for k in self._cpu if k not in live]:
+            value, ppid = self._cpu.pop(key)
+            if ppid not in live_pids:  # re-parented or reaped outside the tree: keep its time
+                self._gone_s += value
+        return self._gone_s + sum(v for v, _ in self._cpu.values())
 
     def _loop(self) -> None:
         t0, sys0, own0 = time.time(), _busy(psutil.cpu_times()), self._own()

@@ -6,10 +6,12 @@ response lengths drawn from a long-tailed (Pareto) distribution and forced exact
 left-padded in one batch and must run to the longest length (that is how it pads);
 both are credited only with the requested tokens. vLLM (`VLLMEngine`, same workload, one
 engine warmed up before timing) is measured too when it is installed: run the script
-under .venv-vllm (scripts/setup_vllm_cpu.sh) for that column. Progress goes to stderr
-(logging); the last stdout line is one JSON object.
+under .venv-vllm (scripts/setup_vllm_cpu.sh) for that column (without it, `"vllm": "not
+installed"`). Progress goes to stderr (logging); the last stdout line is one JSON object
+(bench/_record.py).
 
     python bench/engine.py [--model DIR] [--concurrency 1,8,32,128] [--max-len 400]
+    python bench/engine.py --smoke   # concurrency 1 and 4, 16 tokens at most, one timing each
     bash scripts/setup_vllm_cpu.sh && .venv-vllm/bin/python bench/engine.py --concurrency 1,8,32
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import logging
 import random
 import sys
@@ -31,6 +32,9 @@ import torch
 from areal_like.core.config import EmbeddedEngineConfig
 from areal_like.core.types import SamplingParams
 from rollout_cluster.engine.embedded import EmbeddedEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
 
 logger = logging.getLogger("bench.engine")
 
@@ -184,7 +188,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings per point")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args, rec = _record.parse(ap, __file__, smoke={"concurrency": "1,4", "max_len": 16, "repeats": 1})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
@@ -242,7 +246,7 @@ def main() -> None:
     }
     if vllm is not None:
         vllm.close()
-    sys.stdout.write(json.dumps(result) + "\n")
+    rec.finish(result)
     if tmp is not None:
         tmp.cleanup()
 

@@ -7,15 +7,15 @@ pause→resume latency (mean / max), tokens recomputed, throughput with frequent
 updates (and without, as the baseline), how many responses span versions, and the
 behaviour-logprob error: each token's recorded logprob vs a fresh HF forward pass
 of the weights of its recorded version (recompute should be ~1e-6; keep is not).
-Progress goes to stderr; the last stdout line is one JSON object.
+Progress goes to stderr; the last stdout line is one JSON object (bench/_record.py).
 
     python bench/interrupt.py [--model DIR] [--every 16] [--max-len 200]
+    python bench/interrupt.py --smoke   # 8 requests of at most 24 tokens, an update every 4 steps
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import statistics
@@ -29,6 +29,9 @@ import torch
 from areal_like.core.config import EmbeddedEngineConfig
 from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine.embedded import EmbeddedEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
 
 logger = logging.getLogger("bench.interrupt")
 
@@ -128,7 +131,9 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.02, help="std of the weight perturbation per version")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    ap.add_argument("--versions", type=int, default=1000,
+                    help="weight versions prepared up front (each a full copy of the model)")
+    args, rec = _record.parse(ap, __file__, smoke={"requests": 8, "max_len": 24, "every": 4, "versions": 8})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
@@ -142,7 +147,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
-    versions = [base] + [perturbed(base, args.seed + v, args.scale) for v in range(1, 1000)]
+    versions = [base] + [perturbed(base, args.seed + v, args.scale) for v in range(1, args.versions)]
     prompts, lengths = workload(args.requests, args.max_len, model.config.vocab_size, args.seed)
     baseline, _ = run_mode(args.model, "recompute", prompts, lengths, [], args.every)
     logger.info("no updates: %s", baseline)
@@ -152,7 +157,7 @@ def main() -> None:
         stats.update(logprob_error(model, versions, prompts, done))
         logger.info("%s: %s", mode, stats)
         result[mode] = stats
-    sys.stdout.write(json.dumps(result) + "\n")
+    rec.finish(result)
     if tmp is not None:
         tmp.cleanup()
 

@@ -1,23 +1,28 @@
 """Throughput of the bubblewrap sandbox against a bare `python -I -c` subprocess.
 
-Prints one JSON line: calls/s and mean latency, sequential and at concurrency 4, for
-both, and the latency the sandbox adds per call. Not a test.
+Prints one JSON line (bench/_record.py): calls/s and mean latency, sequential and at
+concurrency 4, for both, and the latency the sandbox adds per call. Not a test. Needs
+bubblewrap (`bwrap`), as the sandbox does.
 
     PYTHONPATH=. .venv/bin/python bench/sandbox.py [--calls 50] [--concurrency 4]
+    python bench/sandbox.py --smoke   # 3 calls each, concurrency 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from rollout_cluster.sandbox import Sandbox, SandboxLimits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
 
 CODE = "print(sum(range(1000)))"
 # The interpreter the sandbox runs (the base one, not the venv's), for a like-for-like baseline.
@@ -77,5 +82,5 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--concurrency", type=int, default=4)
-    a = ap.parse_args()
-    sys.stdout.write(json.dumps(asyncio.run(main(a.calls, a.concurrency))) + "\n")
+    a, rec = _record.parse(ap, __file__, smoke={"calls": 3, "concurrency": 2})
+    rec.finish({"bench": "sandbox", **asyncio.run(main(a.calls, a.concurrency))})

@@ -17,6 +17,10 @@ bound (RSS of every process that lived through the measured window flat within
     nice -n 10 python bench/soak.py --minutes 60 [--warmup-minutes 10] [--interval 10]
         [--config configs/quickstart.yaml] [--run-dir runs/soak] [--set KEY=VALUE ...]
     python bench/soak.py --summarise runs/soak/soak.csv [--warmup-minutes 10]
+    python bench/soak.py --smoke   # 15 s sampled every second, no warm-up, a temporary folder
+
+The JSON line is bench/_record.py's (its `other_cores`: CPU of processes outside this
+benchmark and the run it started).
 """
 
 from __future__ import annotations
@@ -32,13 +36,10 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import psutil
-except ImportError:  # Ray vendors psutil; use its copy rather than adding a dependency.
-    import ray
+import psutil
 
-    sys.path.insert(0, str(Path(ray.__file__).parent / "thirdparty_files"))
-    import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
 
 _WINDOW = 3
 _FIELDS = ["t_s", "pid", "name", "rss", "fds", "sockets"]  # samples averaged (median / min) at each end of the measured window
@@ -290,14 +291,16 @@ def main() -> None:
                     help="excluded from the growth figures (default: 10, or a sixth of --minutes if shorter)")
     ap.add_argument("--interval", type=float, default=10.0, help="seconds between samples")
     ap.add_argument("--config", default="configs/quickstart.yaml")
-    ap.add_argument("--run-dir", default="runs/soak")
+    ap.add_argument("--run-dir", default=None, help="default: runs/soak (--smoke: in a temporary folder)")
     ap.add_argument("--max-growth", type=float, default=0.10, help="RSS growth bound per process")
     ap.add_argument("--steps", type=int, default=None,
                     help="train.total_steps (default: more than the run can reach in --minutes)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra --set KEY=VALUE")
     ap.add_argument("--summarise", metavar="CSV", default=None,
                     help="no run: summarise and plot an existing soak.csv (e.g. of a run cut short)")
-    args = ap.parse_args()
+    args, recorder = _record.parse(ap, __file__, smoke={"minutes": 0.25, "interval": 1.0, "warmup_minutes": 0.0})
+    if args.run_dir is None:
+        args.run_dir = str(_record.out_dir(None, "soak", True) / "soak") if args.smoke else "runs/soak"
 
     if args.summarise:
         path = Path(args.summarise)
@@ -309,7 +312,7 @@ def main() -> None:
         png = path.with_suffix(".png")
         _plot(samples, warmup, png, f"soak: {path.parent.name}, {samples[-1][0] / 60:.0f} min")
         result["png"] = str(png)
-        print(json.dumps(result))
+        recorder.finish(result)
         return
 
     duration = args.minutes * 60
@@ -386,7 +389,7 @@ def main() -> None:
         _plot(samples, warmup, png_path,
               f"soak: {args.config}, {result['duration_s'] / 60:.0f} min, {final_step} steps")
     result["csv"], result["png"] = str(csv_path), str(png_path)
-    print(json.dumps(result))
+    recorder.finish(result)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,15 @@ seed. Up to ~30 minutes with the defaults on 2 shared cores.
 
     python bench/staleness_ablation.py [--etas 0,2,8] [--seeds 0,1,2] [--steps 30]
         [--modes naive,decoupled,decoupled_mask]
+    python bench/staleness_ablation.py --smoke   # η 2, decoupled, one seed, 2 steps,
+                                                 # 8 held-out problems, a temporary folder
 
 Also reported per cell, from the train-step records: the mean per-token gap
 |log π_prox − log π_behav| (how far the trainer has moved from the sampler), the largest
 behaviour weight seen, and the fraction of tokens whose weight was capped or masked —
 the numbers that explain why one objective holds up better than the other.
 
-Progress on stderr; the last stdout line is one JSON object.
+Progress on stderr; the last stdout line is one JSON object (bench/_record.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runs import ROOT, records, run_cli, summarise  # noqa: E402
+import _record  # noqa: E402
+from _runs import records, run_cli, summarise  # noqa: E402
 
 log = logging.getLogger("bench.staleness_ablation")
 
@@ -70,13 +73,15 @@ def main() -> None:
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run (repeatable)")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "bench_staleness_ablation"))
+    ap.add_argument("--out", default=None,
+                    help="default: runs/bench_staleness_ablation (--smoke: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="keep runs that finished in --out (same settings!)")
-    args = ap.parse_args()
+    args, recorder = _record.parse(ap, __file__, smoke={"etas": "2", "seeds": "0", "modes": "decoupled",
+                                                         "steps": 2, "eval_samples": 8})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     etas = [int(x) for x in args.etas.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
-    out = Path(args.out)
+    out = _record.out_dir(args.out, "staleness_ablation", args.smoke)
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -149,7 +154,7 @@ def main() -> None:
             result[f"{mode}_accuracy_drop_eta{hi}_vs_eta{lo}"] = round(a_lo - a_hi, 4)
     _plot(table, etas, modes, out / "staleness_ablation.png")
     result["plot"] = str(out / "staleness_ablation.png")
-    print(json.dumps(result))
+    recorder.finish(result)
 
 
 def weight_stats(run_dir: Path) -> dict[str, float]:

@@ -8,21 +8,23 @@ start-up and imports count). Reported: the median offset of each phase and each 
 own share, and the CPU other processes used meanwhile.
 
     python bench/startup.py [--repeats 3] [--set KEY=VALUE ...]
+    python bench/startup.py --smoke   # one launch, into a temporary folder
 
-Progress on stderr; the last stdout line is one JSON object.
+Progress on stderr; the last stdout line is one JSON object (bench/_record.py; its
+`other_cores` covers the whole benchmark, `other_cores_median_of_runs` each launch).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runs import ROOT, records, run_cli  # noqa: E402
+import _record  # noqa: E402
+from _runs import records, run_cli  # noqa: E402
 
 log = logging.getLogger("bench.startup")
 
@@ -32,12 +34,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "bench_startup"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="default: runs/bench_startup (--smoke: a temporary folder)")
+    args, recorder = _record.parse(ap, __file__, smoke={"repeats": 1})
+    out = _record.out_dir(args.out, "startup", args.smoke)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     runs = []
     for k in range(args.repeats):
-        run_dir = Path(args.out) / f"rep{k}"
+        run_dir = out / f"rep{k}"
         cpu = run_cli(args.config, ["train.total_steps=2", "eval.every_n_steps=0", *args.sets], run_dir)
         rec = next(r for r in records(run_dir) if r["kind"] == "startup")
         phases = {n: v for n, v in rec.items() if n not in ("time", "kind", "trainer_version")}
@@ -53,10 +56,10 @@ def main() -> None:
     print(f"\n{'phase':>16} {'at (s)':>8} {'its own (s)':>12}", file=sys.stderr)
     for n in names:
         print(f"{n:>16} {median[n]:>8.2f} {share[n]:>12.2f}", file=sys.stderr)
-    print(json.dumps({"benchmark": "startup", "repeats": args.repeats, "extra_sets": args.sets,
-                      "median_at_s": median, "median_share_s": share,
-                      "first_step_s": median["first_step"],
-                      "other_cores": round(statistics.median(r["other_cores"] for r in runs), 2), "runs": runs}))
+    recorder.finish({"benchmark": "startup", "repeats": args.repeats, "extra_sets": args.sets,
+                "median_at_s": median, "median_share_s": share, "first_step_s": median["first_step"],
+                "other_cores_median_of_runs": round(statistics.median(r["other_cores"] for r in runs), 2),
+                "runs": runs})
 
 
 if __name__ == "__main__":

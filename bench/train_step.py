@@ -3,21 +3,22 @@
 A step = π_prox recompute + forward/backward over packed micro-batches + AdamW, on
 64 sequences of 64–128 tokens (prompt ~24, the rest generated). Weights are the
 quickstart architecture, randomly initialised unless `--model` is given. Progress
-goes to the log; the last stdout line is one JSON object.
+goes to the log; the last stdout line is one JSON object (bench/_record.py).
 
     python bench/train_step.py [--steps 5] [--threads 1] [--token-budget 1024] [--model DIR]
+    python bench/train_step.py --smoke   # 1 step of 8 short sequences, 2 mini-batches
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,9 @@ from areal_like.core.config import TorchBackendConfig, TrainConfig
 from areal_like.core.types import Trajectory
 from train_cluster.batch import build_batch
 from train_cluster.torch_engine import TorchTrainEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
 
 logger = logging.getLogger("bench.train_step")
 
@@ -59,14 +63,16 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128", help="sequence lengths drawn from LO,HI (quickstart: ~35,60)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print the N functions that took the most time over the timed steps (cProfile)")
-    args = ap.parse_args()
+    args, rec = _record.parse(ap, __file__, smoke={"steps": 1, "batch": 8, "lengths": "16,32", "mini_batches": 2})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     model = args.model
+    tmp = None
     if model is None:
         from areal_like.models.tiny_model import init_model
 
-        model = str(init_model(tempfile.mkdtemp(prefix="bench_model_"), seed=0))
+        tmp = tempfile.TemporaryDirectory(prefix="bench_model_")
+        model = str(init_model(Path(tmp.name), seed=0))
     cfg = TrainConfig(token_budget=args.token_budget, mini_batches=args.mini_batches,
                       backend=TorchBackendConfig(threads=args.threads))
     lo, hi = (int(x) for x in args.lengths.split(","))
@@ -98,14 +104,16 @@ def main() -> None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
         print(out.getvalue(), file=sys.stderr)
-    print(json.dumps({
+    rec.finish({
         "bench": "train_step", "mini_batches": args.mini_batches, "lengths": [lo, hi],
         "prox_time_s": statistics.median(prox), "model_params": sum(p.numel() for p in engine._module.parameters()),
         "batch_seqs": args.batch, "mean_tokens_per_step": statistics.mean(b.num_tokens for b in batches[1:]),
         "threads": args.threads, "token_budget": args.token_budget, "steps": args.steps,
         "tokens_per_s": statistics.median(rates), "step_time_s": statistics.median(times),
         "torch": torch.__version__,
-    }))
+    })
+    if tmp is not None:
+        tmp.cleanup()
 
 
 if __name__ == "__main__":
