@@ -16,8 +16,11 @@ overlap of two equal pools could give. `fraction_of_overlap_ideal` is the measur
 the CPU other processes used during each run is reported (shared machines).
 
     python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 16] [--repeats 2]
+    python bench/async_vs_sync.py --smoke   # η 0 and 2, 2 steps of 2 prompts, tails of 16
+                                            # tokens at most, 8 held-out problems, 1 repeat,
+                                            # a temporary folder
 
-Progress on stderr; the last stdout line is one JSON object.
+Progress on stderr; the last stdout line is one JSON object (bench/_record.py).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runs import ROOT, run_cli, summarise  # noqa: E402
+import _record  # noqa: E402
+from _runs import run_cli, summarise  # noqa: E402
 
 log = logging.getLogger("bench.async_vs_sync")
 
@@ -57,7 +61,7 @@ def write_dataset(out: Path, seed: int) -> tuple[Path, Path]:
     return train, held
 
 
-def sets_for(eta: int, steps: int, seed: int, data: tuple[Path, Path]) -> list[str]:
+def sets_for(eta: int, steps: int, seed: int, data: tuple[Path, Path], eval_samples: int = 64) -> list[str]:
     return [
         "dataset.type=jsonl",
         f"dataset.path={data[0]}",
@@ -75,7 +79,7 @@ def sets_for(eta: int, steps: int, seed: int, data: tuple[Path, Path]) -> list[s
         "cluster.rollout_pool.num_cpus=1",
         "cluster.train_pool.num_cpus=1",
         "eval.every_n_steps=0",
-        "eval.num_samples=64",
+        f"eval.num_samples={eval_samples}",
         "metrics.dashboard_port=0",
     ]
 
@@ -89,13 +93,17 @@ def main() -> None:
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run (repeatable)")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "bench_async_vs_sync"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="default: runs/bench_async_vs_sync (--smoke: a temporary folder)")
+    ap.add_argument("--eval-samples", type=int, default=64, help="held-out problems evaluated at the end")
+    ap.add_argument("--tail-cap", type=int, default=None,
+                    help="longest tail in tokens (LONG_TAIL_CAP of bench/long_tail_loop.py; default 192)")
+    args, recorder = _record.parse(ap, __file__, smoke={"etas": "0,2", "steps": 2, "repeats": 1, "eval_samples": 8,
+                                                        "tail_cap": 16, "sets": ["train.batch_size=2"]})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     etas = [int(x) for x in args.etas.split(",")]
     if 0 not in etas or 2 not in etas:
         ap.error("--etas must include 0 and 2 (the speedup is η=2 over η=0)")
-    out = Path(args.out)
+    out = _record.out_dir(args.out, "async_vs_sync", args.smoke)
     data = write_dataset(out / "data", args.seed)
     runs: dict[int, list[dict]] = {e: [] for e in etas}
     t_all = time.time()
@@ -106,7 +114,8 @@ def main() -> None:
         for eta in order:
             run_dir = out / f"eta{eta}_rep{rep}"
             log.info("[%d/%d] η=%d repeat %d ...", done + 1, total, eta, rep)
-            cpu = run_cli(args.config, [*sets_for(eta, args.steps, args.seed, data), *args.sets], run_dir)
+            cpu = run_cli(args.config, [*sets_for(eta, args.steps, args.seed, data, args.eval_samples), *args.sets],
+                          run_dir, env={"LONG_TAIL_CAP": str(args.tail_cap)} if args.tail_cap else None)
             s = {"eta": eta, "repeat": rep, **summarise(run_dir), **cpu}
             runs[eta].append(s)
             done += 1
@@ -149,6 +158,7 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
         "extra_sets": args.sets,
+        "tail_cap": args.tail_cap,
         "table": table,
         "sync_rollout_phase_s": round(r_phase, 3),
         "sync_train_phase_s": round(t_phase, 3),
@@ -161,7 +171,7 @@ def main() -> None:
         "total_s": round(time.time() - t_all, 1),
         "plot": str(out / "async_vs_sync.png"),
     }
-    print(json.dumps(result))
+    recorder.finish(result)
 
 
 def _plot(table: list[dict], path: Path) -> None:

@@ -2,7 +2,9 @@
 
 Run: `python bench/scale_out.py [--servers 1,2,4] [--total-threads 4] [--sizes 25,100]
 [--reps 3] [--learn-steps 0] [--parts rollout,weights]` (CPU; embedded Ray on this machine). Progress goes to
-stderr; the last stdout line is one JSON object. What it measures:
+stderr; the last stdout line is one JSON object (bench/_record.py). `--smoke`: one server
+actor of 1 thread, 8 requests of 8 tokens, the weight paths once into one server on a
+tiny model (Ray included: the default environment has it). What it measures:
 
 1. `rollout`: generation tokens/s with 1, 2, 4 inference-server actors (each its own
    Ray actor and process, as `areal-like run` starts them) at a fixed total torch thread
@@ -17,7 +19,7 @@ stderr; the last stdout line is one JSON object. What it measures:
    - `new`: rank 0 hosts the sender (`TrainWorkerGroup.weight_sender`): the driver sends
      one small call and gets the meta back; the bytes go worker → servers.
    `blocked_s` is what the trainer's schedule waits per step (send + wait for the
-   broadcast), `sync_s` until both servers have loaded the version, and
+   broadcast), `sync_s` until both servers (`--weight-servers`) have loaded the version, and
    `driver_peak_rss_mb` the driver's peak resident memory above its level before the
    path ran (sampled every 5 ms): it grows with model size on the old path only.
 3. `learning` (with `--learn-steps N`): the quickstart config for N steps with 1 and
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import statistics
@@ -40,11 +41,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
+
+# This folder (sys.path[0] when run as a script) holds weight_sync.py, which would shadow
+# the `weight_sync` package: the repository root goes first.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 log = logging.getLogger("bench.scale_out")
 
 _SIZES = {  # ~params: hidden, intermediate, layers, heads, kv heads
+    1: dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1),  # --smoke
     25: dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
              num_key_value_heads=4),
     100: dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=16,
@@ -92,9 +101,13 @@ class _PeakRSS:
 
 
 def _cfg(model: Path, run_dir: Path, *extra: str) -> Any:
+    """The quickstart config; thread lending off (docs/design.md §10.16): the servers keep the
+    thread counts measured, with no train side to lend them more."""
     from areal_like.core.config import load_config
 
-    return load_config(ROOT / "configs/quickstart.yaml", [f"model.path={model}", f"run.dir={run_dir}", *extra])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return load_config(ROOT / "configs/quickstart.yaml", [f"model.path={model}", f"run.dir={run_dir}",
+                                                          "cluster.lend_idle_threads=false", *extra])
 
 
 # ---- 1. rollout throughput -------------------------------------------------------------
@@ -131,13 +144,14 @@ async def _rollout_rate(cfg: Any, model: Path, n_requests: int, prompt_len: int,
         remove_placement_group(pg)
 
 
-def bench_rollout(model: Path, root: Path, servers: list[int], total_threads: int) -> dict[str, Any]:
+def bench_rollout(model: Path, root: Path, servers: list[int], total_threads: int, requests: int = 64,
+                  prompt_len: int = 32, gen_len: int = 64) -> dict[str, Any]:
     out = {}
     for n in servers:
         threads = max(1, total_threads // n)
         cfg = _cfg(model, root / f"roll{n}", f"rollout.num_servers={n}", f"rollout.server_threads={threads}",
                    f"cluster.rollout_pool.num_cpus={os.cpu_count() or 1}", "rollout.engine.max_batch_size=64")
-        r = asyncio.run(_rollout_rate(cfg, model, 64, 32, 64))
+        r = asyncio.run(_rollout_rate(cfg, model, requests, prompt_len, gen_len))
         out[str(n)] = {"threads_per_server": threads, **r}
         log.info("rollout: %d server actor(s) × %d threads: %.1f tokens/s", n, threads, r["tokens_per_s"])
     return out
@@ -158,7 +172,7 @@ async def _start(pool: Any) -> None:
     await pool.start()
 
 
-def bench_weight_sync(size: int, root: Path, reps: int) -> dict[str, Any]:
+def bench_weight_sync(size: int, root: Path, reps: int, servers: int = 2) -> dict[str, Any]:
     from ray.util.placement_group import remove_placement_group
 
     from areal_like.core.config import DistWeightSyncConfig
@@ -166,7 +180,7 @@ def bench_weight_sync(size: int, root: Path, reps: int) -> dict[str, Any]:
     from weight_sync.dist import DistWeightSender
 
     model = _model(size, root)
-    cfg = _cfg(model, root / f"ws{size}", "rollout.num_servers=2", "cluster.rollout_pool.num_cpus=2",
+    cfg = _cfg(model, root / f"ws{size}", f"rollout.num_servers={servers}", f"cluster.rollout_pool.num_cpus={servers}",
                "weight_sync.timeout_s=300")
     group = TrainWorkerGroup(model, cfg.train, seed=0)
     n_params = sum(t.numel() for _, t in group.named_weights())
@@ -202,11 +216,11 @@ def bench_weight_sync(size: int, root: Path, reps: int) -> dict[str, Any]:
                         ok, failed = loop.run_until_complete(receiving)
                         th.join()
                         t1 = time.perf_counter()
-                        if failed or len(ok) != 2 or not waited:
+                        if failed or len(ok) != servers or not waited:
                             raise RuntimeError(f"{path} v{v}: servers failed: {failed}")
                         blocked.append(waited[0] - t0)  # what the trainer's schedule waits: send + broadcast
                         sync.append(t1 - t0)
-                        log.info("weights %dM %s v%d: send %.2fs, trainer blocked %.2fs, both servers loaded after "
+                        log.info("weights %dM %s v%d: send %.2fs, trainer blocked %.2fs, all servers loaded after "
                                  "%.2fs", size, path, v, t_sent - t0, waited[0] - t0, t1 - t0)
                 results[path] = {"blocked_s": round(statistics.median(blocked), 3),
                                  "sync_s": round(statistics.median(sync), 3),
@@ -253,7 +267,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--learn-steps", type=int, default=0)
     ap.add_argument("--parts", default="rollout,weights", help="of rollout,weights (learning runs with --learn-steps)")
-    args = ap.parse_args()
+    ap.add_argument("--requests", type=int, default=64, help="concurrent requests per rollout round")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=64, help="forced response tokens per request")
+    ap.add_argument("--weight-servers", type=int, default=2, help="server actors receiving the weights")
+    args, recorder = _record.parse(ap, __file__, smoke={
+        "servers": "1", "total_threads": 1, "sizes": "1", "reps": 1, "weight_servers": 1, "requests": 8, "prompt_len": 8, "gen_len": 8})
     parts = set(args.parts.split(","))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     from areal_like.orchestration.launch import init_ray, ray_env
@@ -271,15 +290,16 @@ def main() -> None:
             try:
                 if "rollout" in parts:
                     result["rollout"] = bench_rollout(ROOT / "areal_like/assets/quickstart_model", root,
-                                                      [int(x) for x in args.servers.split(",")], args.total_threads)
+                                                      [int(x) for x in args.servers.split(",")], args.total_threads,
+                                                      args.requests, args.prompt_len, args.gen_len)
                 if "weights" in parts:
-                    result["weight_sync"] = {f"{s}M": bench_weight_sync(s, root, args.reps)
+                    result["weight_sync"] = {f"{s}M": bench_weight_sync(s, root, args.reps, args.weight_servers)
                                              for s in (int(x) for x in args.sizes.split(","))}
             finally:
                 ray.shutdown()
         if args.learn_steps:
             result["learning"] = bench_learning(root, args.learn_steps)
-    print(json.dumps(result))
+    recorder.finish(result)
 
 
 if __name__ == "__main__":

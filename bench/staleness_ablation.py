@@ -15,7 +15,7 @@ seed. Up to ~30 minutes with the defaults on 2 shared cores.
 
     python bench/staleness_ablation.py [--etas 0,2,8] [--seeds 0,1,2] [--steps 30]
         [--modes naive,decoupled,decoupled_mask]
-    python bench/staleness_ablation.py --smoke   # η 2, decoupled, one seed, 2 steps,
+    python bench/staleness_ablation.py --smoke   # η 2, decoupled, one seed, 2 steps of 2 prompts,
                                                  # 8 held-out problems, a temporary folder
 
 Also reported per cell, from the train-step records: the mean per-token gap
@@ -77,7 +77,8 @@ def main() -> None:
                     help="default: runs/bench_staleness_ablation (--smoke: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="keep runs that finished in --out (same settings!)")
     args, recorder = _record.parse(ap, __file__, smoke={"etas": "2", "seeds": "0", "modes": "decoupled",
-                                                         "steps": 2, "eval_samples": 8})
+                                                         "steps": 2, "eval_samples": 8,
+                                                         "sets": ["train.batch_size=2"]})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     etas = [int(x) for x in args.etas.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]

@@ -29,7 +29,14 @@ Runs in `.venv-trl` (bench/setup_trl.sh, run first unless --no-setup; the script
 re-executes itself there). Progress goes to stderr; the last stdout line is one JSON
 object with `speedup_time_to_target_vs_trl` (TRL's time / ours).
 
-    python bench/vs_trl.py [--target 0.9] [--quick] [--repeats 1] [--form tool]
+    python bench/vs_trl.py [--target 0.9] [--repeats 1] [--form tool]
+    python bench/vs_trl.py --smoke   # (or --quick) 2 steps each, 8 held-out problems
+
+`--smoke` (tests/test_bench_smoke.py) never runs bench/setup_trl.sh: it runs our side for
+real and, when `.venv-trl` is missing (no `.venv-trl/.setup_trl` stamp: the default test
+environment has none), only compiles bench/_trl_contender.py and reports
+`"trl": "skipped: .venv-trl missing"` with no speedup. With `.venv-trl` set up, the TRL
+side runs too (2 steps). The JSON line is bench/_record.py's.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _record  # noqa: E402
+
 # Run as a script, this folder is sys.path[0], and bench/weight_sync.py would shadow the
 # `weight_sync` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -58,17 +68,23 @@ log = logging.getLogger("bench.vs_trl")
 # ---------------------------------------------------------------------------------------
 # environment
 # ---------------------------------------------------------------------------------------
-def _in_trl_venv() -> bool:
-    return Path(sys.prefix).resolve() == TRL_VENV.resolve()
+def _in_trl_venv(venv: Path = TRL_VENV) -> bool:
+    return Path(sys.prefix).resolve() == venv.resolve()
 
 
-def _reexec_in_trl_venv(argv: list[str], setup: bool) -> None:
-    if _in_trl_venv():
+def _trl_venv_ready(venv: Path = TRL_VENV) -> bool:
+    """Set up by bench/setup_trl.sh to the end (it writes its stamp last)."""
+    return (venv / "bin" / "python").exists() and (venv / ".setup_trl").exists()
+
+
+def _reexec_in_trl_venv(argv: list[str], setup: bool, venv: Path = TRL_VENV) -> None:
+    if _in_trl_venv(venv):
         return
-    if setup or not (TRL_VENV / "bin" / "python").exists():
-        log.info("setting up %s (bench/setup_trl.sh)", TRL_VENV)
+    if setup or not (venv / "bin" / "python").exists():
+        log.info("setting up %s (bench/setup_trl.sh)", venv)
         subprocess.run(["bash", str(ROOT / "bench" / "setup_trl.sh")], check=True, stdout=sys.stderr)
-    py = str(TRL_VENV / "bin" / "python")
+    py = str(venv / "bin" / "python")
+    os.environ[_record.COMMAND_ENV] = _record.command()  # the command the user ran, not the re-exec
     os.execv(py, [py, str(Path(__file__).resolve()), *argv])
 
 
@@ -428,7 +444,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=float, default=0.9, help="held-out sampled accuracy to reach")
     ap.add_argument("--form", choices=["tool", "single_turn"], default="tool")
-    ap.add_argument("--quick", action="store_true", help="smoke check: a few steps each, 64 eval problems")
     ap.add_argument("--repeats", type=int, default=1, help="pairs of runs, order alternating")
     ap.add_argument("--first", choices=["ours", "trl"], default="ours", help="who runs first in the first pair")
     ap.add_argument("--ours-steps", type=int, default=60)
@@ -445,26 +460,34 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=256)
     ap.add_argument("--eval-stride", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "runs" / "vs_trl"))
+    ap.add_argument("--out", default=None, help="default: runs/vs_trl (--smoke: a temporary folder)")
     ap.add_argument("--no-setup", action="store_true", help="do not run bench/setup_trl.sh first")
     ap.add_argument("--trl-lr", type=float, default=3e-4,
                     help="TRL's learning rate: one optimizer step per batch wants the larger rate our "
                          "quickstart used before it took 4 mini-batches (7.5e-5 each); TRL at 7.5e-5 is slower")
-    args = ap.parse_args()
+    args, recorder = _record.parse(ap, __file__, smoke_aliases=("--quick",), smoke={
+        "ours_steps": 2, "trl_max_steps": 2, "trl_max_seconds": 300.0, "eval_n": 8, "eval_stride": 1,
+        "trl_stop_margin": -1.0, "repeats": 1})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
-    _reexec_in_trl_venv(sys.argv[1:], setup=not args.no_setup)
+    trl_skipped = None
+    if args.smoke and not args.ours_only and not _in_trl_venv() and not _trl_venv_ready():
+        # No downloads in a smoke run: our side for real, the TRL side compiled only.
+        contender = ROOT / "bench" / "_trl_contender.py"
+        compile(contender.read_text(), str(contender), "exec")  # a SyntaxError fails the smoke run
+        trl_skipped = "skipped: .venv-trl missing"
+        log.warning("smoke: %s (bench/setup_trl.sh sets it up); bench/_trl_contender.py compiles; "
+                    "running ours only", TRL_VENV)
+        args.ours_only = True
+    elif not args.ours_only or not args.smoke:
+        _reexec_in_trl_venv(sys.argv[1:], setup=not (args.no_setup or args.smoke))
     if args.trl_stop_margin is not None and args.trl_stop_margin < 0:
         args.trl_stop_margin = None
-    if args.quick:
-        args.ours_steps, args.trl_max_steps, args.trl_max_seconds = 6, 3, 300.0
-        args.eval_n, args.eval_stride, args.trl_stop_margin = 64, 1, None
 
     import torch
     import transformers
-    import trl
 
-    out = Path(args.out)
+    out = _record.out_dir(args.out, "vs_trl", args.smoke) if args.out or args.smoke else ROOT / "runs" / "vs_trl"
     out.mkdir(parents=True, exist_ok=True)
     pairs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
@@ -527,7 +550,6 @@ def main() -> None:
                   f"({args.eval_n} problems, T=1)",
         "form": args.form,
         "target": args.target,
-        "quick": args.quick,
         "speedup_time_to_target_vs_trl": headline,
         "ours_time_to_target_from_command_s": [r["ours"]["time_to_target_from_launch_s"] for r in results],
         "trl_time_to_target_from_command_s": [r["trl"]["time_to_target_from_launch_s"] for r in results if "trl" in r],
@@ -543,12 +565,22 @@ def main() -> None:
             "trl_lr": args.trl_lr,
             "trl_setup": f"GRPOTrainer, HF generate, {args.threads} torch threads, loss dapo, scale_rewards group, beta 0, "
                    "gradient_checkpointing off",
-            "torch": torch.__version__, "trl_version": trl.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "trl_version": _trl_version(), "transformers": transformers.__version__,
             "cpu_count": os.cpu_count(),
         },
     }
+    if trl_skipped:
+        summary["trl"] = trl_skipped
     (out / "result.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary), flush=True)
+    recorder.finish(summary)
+
+
+def _trl_version() -> str | None:
+    try:
+        import trl
+    except ImportError:
+        return None
+    return trl.__version__
 
 
 def r_train(run: dict[str, Any]) -> float:
