@@ -1,0 +1,109 @@
+"""Benchmarks that cannot rot (#29, docs/benchmarks.md): every script in `bench/` (not the
+`_` helpers) runs with `--smoke` (tiny sizes, the same code path) and ends with its JSON
+record; the summary table of docs/benchmarks.md is what `scripts/bench_table.py` makes of
+`bench/results/*.jsonl`.
+
+The list of benchmarks is the directory listing, so a new script in `bench/` without a
+smoke mode fails here. Smoke runs write under pytest's tmp_path (`AREAL_BENCH_SMOKE_DIR`),
+never into the repository. The slowest ones start a whole quickstart run (or two); the
+timeouts leave room for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
+RECORD_KEYS = {"smoke", "command", "commit", "date", "other_cores"}
+SMOKE_TIMEOUT_S = 420
+
+
+def _results_state() -> dict[str, int]:
+    d = ROOT / "bench" / "results"
+    return {p.name: p.stat().st_size for p in d.glob("*")} if d.is_dir() else {}
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`cmd` in its own session; on timeout the whole session is killed (runs, servers, Ray)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout_s:.0f} s\n--- stderr (tail) ---\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def test_there_are_benchmarks() -> None:
+    assert len(BENCHES) >= 10, BENCHES
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
+@pytest.mark.parametrize("script", BENCHES)
+def test_bench_smoke(script: str, tmp_path: Path) -> None:
+    before = _results_state()
+    env = {**os.environ, "AREAL_BENCH_SMOKE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    p = _run([sys.executable, f"bench/{script}", "--smoke"], env, SMOKE_TIMEOUT_S)
+    where = f"bench/{script} --smoke (exit {p.returncode})\n--- stderr (tail) ---\n{p.stderr[-4000:]}"
+    assert p.returncode == 0, where
+    lines = p.stdout.strip().splitlines()
+    assert lines, f"no stdout: {where}"
+    try:
+        rec = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        pytest.fail(f"the last stdout line is not JSON: {lines[-1][:500]!r}\n{where}")
+    assert isinstance(rec, dict)
+    missing = RECORD_KEYS - set(rec)
+    assert not missing, f"the JSON line lacks {sorted(missing)} (bench/_record.py adds them): {where}"
+    assert rec["smoke"] is True
+    assert f"bench/{script}" in rec["command"] and "--smoke" in rec["command"], rec["command"]
+    assert rec["commit"] and rec["commit"] != "unknown", rec["commit"]
+    assert datetime.datetime.fromisoformat(rec["date"]).utcoffset() == datetime.timedelta(0), rec["date"]
+    assert isinstance(rec["other_cores"], (int, float)) and rec["other_cores"] >= 0, rec["other_cores"]
+    assert _results_state() == before, "a smoke run must not write bench/results/"
+
+
+def _bench_table(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "scripts/bench_table.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_summary_table_is_generated_from_the_records() -> None:
+    p = _bench_table("--check")
+    assert p.returncode == 0, p.stderr[-6000:]
+
+
+@pytest.mark.timeout(120)
+def test_bench_table_shows_the_last_real_record(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    base = {"command": "python bench/weight_sync.py", "commit": "abc1234", "date": "2026-01-02T03:04:05+00:00",
+            "other_cores": 0.02, "cpu_count": 2, "qwen2_100m": {"gb_per_s": 2.5}, "quickstart": {"transfer_s": 0.005}}
+    lines = [{**base, "smoke": False, "ratio_to_raw_broadcast": 0.5},
+             {**base, "smoke": False, "ratio_to_raw_broadcast": 0.913},
+             {**base, "smoke": True, "ratio_to_raw_broadcast": 0.1}]  # smoke lines are never shown
+    (results / "weight_sync.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    doc = tmp_path / "benchmarks.md"
+    shutil.copy(ROOT / "docs" / "benchmarks.md", doc)
+    assert _bench_table("--doc", str(doc), "--results", str(results), "--check").returncode == 1
+    p = _bench_table("--doc", str(doc), "--results", str(results))
+    assert p.returncode == 0, p.stderr
+    row = next(line for line in doc.read_text().splitlines() if line.startswith("| weight sync |"))
+    assert "`ratio_to_raw_broadcast` **0.913**" in row and "abc1234" in row and "2026-01-02T03:04:05" in row, row
+    assert "0.02 of 2" in row and "`python bench/weight_sync.py`" in row, row
+    assert "not re-measured" in next(line for line in doc.read_text().splitlines()
+                                     if line.startswith("| async vs sync |"))
+    assert _bench_table("--doc", str(doc), "--results", str(results), "--check").returncode == 0
