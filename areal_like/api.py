@@ -86,6 +86,7 @@ class GRPOTrainer:
 
         from areal_like.orchestration.console import Progress, setup_console
         from areal_like.orchestration.launch import run_both
+        from areal_like.orchestration.trainer_controller import RunAborted
 
         if verbose is not None:
             self.cfg.run.verbose = verbose
@@ -94,9 +95,28 @@ class GRPOTrainer:
         progress = Progress(self.cfg.train.total_steps)
         user = {"rows": self.rows, "eval_rows": self.eval_rows, "reward_fn": self.reward_fn,
                 "tools": self.tools, "loops": self.agent_loops}
-        return run_both(self.cfg, resume=resume, overwrite=overwrite, user=user, on_step=progress,
-                        on_start=lambda side: progress.start(run_dir=side.cfg.run.dir,
-                                                             dashboard_url=side.dashboard_url))
+        try:
+            return run_both(self.cfg, resume=resume, overwrite=overwrite, user=user, on_step=progress,
+                            on_start=lambda side: progress.start(run_dir=side.cfg.run.dir,
+                                                                 dashboard_url=side.dashboard_url),
+                            reward_name=_reward_name(self.reward_fn))
+        except RunAborted as e:
+            # As the CLI says it: the cause first (your file and line when your code raised
+            # it), then what the run did. The exception repeats only the first line, and
+            # its traceback is this call, not our internals.
+            text = str(e)
+            for i, line in enumerate(text.splitlines()):
+                print(f"error: {line}" if i == 0 else line, file=progress.stream, flush=True)
+            raise type(e)(text.splitlines()[0] if text else type(e).__name__) from None
+
+
+def _reward_name(fn: Any) -> str:
+    """How the console names the reward: a built-in's name, a function's name, or the
+    names of summed functions."""
+    if isinstance(fn, str):
+        return fn
+    names = getattr(fn, "_areal_names", None)
+    return " + ".join(names) if names else getattr(fn, "__name__", type(fn).__name__)
 
 
 def _combine(funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | str) -> Any:
@@ -130,6 +150,7 @@ def _combine(funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | str) -> 
             total += value
         return {"reward": total, **parts}
 
+    summed._areal_names = [getattr(f, "__name__", type(f).__name__) for f in funcs]  # type: ignore[attr-defined]
     return summed
 
 

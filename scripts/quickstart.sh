@@ -10,5 +10,10 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 run_dir="runs/quickstart-$(date +%Y%m%d-%H%M%S)"
-areal-like run configs/quickstart.yaml --set run.dir="$run_dir" "$@"
-areal-like report "$run_dir"
+rc=0
+areal-like run configs/quickstart.yaml --set run.dir="$run_dir" "$@" || rc=$?
+# A run stopped with Ctrl-C (exit 130) wrote its checkpoint and summary: report it too.
+if [ -f "$run_dir/metrics.jsonl" ]; then
+  areal-like report "$run_dir"
+fi
+exit "$rc"

@@ -50,3 +50,13 @@ class AsyncEcho:
 
     def getpid(self) -> int:
         return os.getpid()
+
+
+class Apply:
+    """Calls what it is handed: user callables must arrive by value (docs/design.md §10.16)."""
+
+    def call(self, fn, *args):  # noqa: ANN001, ANN002, ANN201 - any callable, any arguments
+        return fn(*args)
+
+    def ping(self) -> str:
+        return "pong"

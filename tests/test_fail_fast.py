@@ -25,8 +25,9 @@ from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import SamplingParams, VersionAnnouncement
 from areal_like.orchestration.dataset import PromptSource
 from areal_like.orchestration.fail_fast import FailFast, RolloutFailedError
-from areal_like.orchestration.launch import _rollout_death_message
+from areal_like.orchestration.launch import _failed_episodes, _rollout_death_message
 from areal_like.orchestration.rollout_controller import RolloutController
+from areal_like.orchestration.trainer_controller import RunFailed
 from rollout_cluster.engine.base import EngineDeadError
 from rollout_cluster.server_manager import NoServerAvailableError
 
@@ -53,7 +54,10 @@ def test_every_episode_of_the_first_groups_failing_trips_with_the_first_error() 
     with pytest.raises(RolloutFailedError) as info:
         ff.raise_if_tripped()
     e = info.value
-    assert str(e).splitlines()[0] == "KeyError: 'g0'" and e.root_cause == "KeyError: 'g0'"
+    # `_fail` is user code here (not our packages): its file and line lead (docs/design.md §10.12)
+    where = f"tests/test_fail_fast.py:{_fail.__code__.co_firstlineno + 2}"
+    assert str(e).splitlines()[0] == f"{where}: KeyError: 'g0'" and e.root_cause == f"{where}: KeyError: 'g0'"
+    assert e.first.user_traceback.rstrip().endswith("KeyError: 'g0'") and "_fail" in e.first.user_traceback
     assert "first 3 groups" in e.reason and "Traceback" in e.first.traceback and "_fail" in e.first.traceback
 
 
@@ -94,7 +98,9 @@ def test_errors_cross_process_boundaries_and_ray_wrapping_intact() -> None:
     ff.episode(_fail())
     ff.group(1, 1)
     r = pickle.loads(pickle.dumps(ff.tripped))
-    assert str(r) == str(ff.tripped) and r.root_cause == "KeyError: 'boom'"
+    boom = f"tests/test_fail_fast.py:{_fail.__code__.co_firstlineno + 2}: KeyError: 'boom'"
+    assert str(r) == str(ff.tripped) and r.root_cause == boom
+    assert r.first.user_traceback == ff.tripped.first.user_traceback and "raise KeyError(msg)" in r.first.user_traceback
 
     class FakeRayTaskError(Exception):  # Ray's wrapper: its own header first, `cause` the original
         def __init__(self, cause: BaseException) -> None:
@@ -102,7 +108,11 @@ def test_errors_cross_process_boundaries_and_ray_wrapping_intact() -> None:
             self.cause = cause
 
     msg = _rollout_death_message(FakeRayTaskError(r))
-    assert msg.splitlines()[0] == "KeyError: 'boom'" and "the rollout side died" in msg
+    assert msg.splitlines()[0] == boom and "the rollout side died" in msg
+    # what the driver raises for it: the run failed (no --resume hint), the user's line first
+    failed = _failed_episodes(FakeRayTaskError(r))
+    assert isinstance(failed, RunFailed) and str(failed).splitlines()[0] == boom
+    assert "--resume" not in str(failed) and str(failed).splitlines()[-1] == r.reason
 
 
 def test_failure_logging_is_rate_limited() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from areal_like.orchestration import local_actors as actors
 from areal_like.orchestration.local_actors import ActorDiedError, Zygote
-from tests._actor_bodies import AsyncEcho, Echo, Picky
+from tests._actor_bodies import Apply, AsyncEcho, Echo, Picky
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,60 @@ def test_the_zygote_goes_with_the_process_that_started_it(tmp_path) -> None:
 
 
 def test_what_cannot_travel_is_refused_at_the_caller(zygote) -> None:
-    with pytest.raises(Exception, match="pickle|lambda|local object"):
-        zygote.spawn(Echo, (lambda: 1,), name="nope")
+    import threading
+
+    with pytest.raises(Exception, match="pickle|lock"):
+        zygote.spawn(Echo, (threading.Lock(),), name="nope")
+
+
+def test_user_callables_travel_by_value_and_keep_their_file_name(zygote) -> None:
+    """A lambda, a closure and a callable object defined here (not importable by the
+    actor) reach it by value, as the API hands them on; a function that raises there
+    names this file in its traceback (the user's file:line leads the console line)."""
+    offset = 10
+
+    class Scale:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def __call__(self, x: int) -> int:
+            return self.k * x
+
+    def shifted(x: int) -> int:
+        return x + offset
+
+    def broken(row: dict) -> str:
+        return row["q"]
+
+    a = zygote.spawn(Apply, name="apply")
+    assert actors.get(a.call.remote(lambda x: x + 1, 1), timeout=30) == 2
+    assert actors.get(a.call.remote(shifted, 1), timeout=30) == 11
+    assert actors.get(a.call.remote(Scale(3), 2), timeout=30) == 6
+    with pytest.raises(KeyError) as err:
+        actors.get(a.call.remote(broken, {}), timeout=30)
+    assert f"{os.path.basename(__file__)}\", line" in "".join(err.value.__notes__)
+    actors.kill(a)
+
+
+def test_an_argument_the_actor_cannot_rebuild_fails_that_call_only(zygote) -> None:
+    """A class of a module only the caller has (here one made at run time) arrives as a
+    reference the actor cannot resolve: that call fails with the actor's own error, and
+    the actor still answers the next (its reader once died silently instead, and the
+    caller waited forever)."""
+    import types
+
+    ghost = types.ModuleType("ghost_module_of_the_caller")
+    exec("class Thing:\n    pass\n", ghost.__dict__)
+    ghost.Thing.__module__ = ghost.__name__
+    sys.modules[ghost.__name__] = ghost
+    try:
+        a = zygote.spawn(Apply, name="apply2")
+        with pytest.raises(Exception, match="ghost_module_of_the_caller"):
+            actors.get(a.call.remote(print, ghost.Thing()), timeout=30)
+        assert actors.get(a.ping.remote(), timeout=30) == "pong"
+        actors.kill(a)
+    finally:
+        del sys.modules[ghost.__name__]
 
 
 def test_killing_one_actor_never_disturbs_the_next(zygote) -> None:

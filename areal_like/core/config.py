@@ -284,6 +284,10 @@ class AgentConfig(_Section):
     failed: failed episodes must not loop without bound. 1.0 = off."""
     failure_window: int = Field(256, ge=1, le=1_000_000)
     """Episodes (the most recent) over which `max_failure_ratio` is judged."""
+    max_no_signal_s: float = Field(300.0, gt=0.0)
+    """The run stops (exit 1, the reward named) after this many seconds in which every
+    group arrived with all its samples scored the same (nothing to learn from with
+    `staleness.filter_uniform_groups`); the console names the situation within ~10 s."""
 
 
 class StalenessConfig(_Section):

@@ -27,6 +27,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "RolloutStats",
+    "EpisodeFailures",
     "Origin",
     "GateSnapshot",
     "EpisodeOutcomes",
@@ -383,6 +384,18 @@ class EvalResult(_Strict):
     num_samples: int
 
 
+class EpisodeFailures(_Strict):
+    """Why the rollout side's episodes fail, for the trainer's console (the rollout side's
+    own log is not on it): the first error, led by the user's file and line when user
+    code raised it (`my_task/reward.py:12: KeyError: 'q'`); counts are in `outcomes`."""
+
+    first: str
+    traceback: str = ""
+    """The first error's traceback (the user's frames, then ours), bounded."""
+    stopped: str | None = None
+    """Why the rollout side stopped because of them (fail-fast), or None while it goes on."""
+
+
 class RolloutStats(_Strict):
     """Rollout-side numbers sent to the trainer over the data channel (docs/design.md §9.6).
 
@@ -409,6 +422,8 @@ class RolloutStats(_Strict):
     """Group id → the version loaded when it was admitted (a lower bound of its head
     version), for every group still running: the trainer waits for a straggler rather
     than step past it (docs/design.md §10.4)."""
+    failures: EpisodeFailures | None = None
+    """Set once an episode has failed (docs/design.md §10.13)."""
 
     def flat(self) -> dict[str, float]:
         """One flat record for metrics.jsonl and the dashboard (`gate_*`, `outcome_*`,

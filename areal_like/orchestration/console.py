@@ -8,7 +8,8 @@ API, quiet by default (docs/observability.md).
   `<run.dir>/run.log` (the worker processes append there too: `areal_like.core.logs`).
 - `Progress`: the per-step line (step/total, trained and all-groups reward, last eval
   accuracy, version lag, steps/s, ETA), at most one a second plus the first, the last
-  and each step with a new evaluation; plain text, so a piped or CI log stays readable.
+  and each step with a new evaluation; plain text, so a piped or CI log stays readable;
+  while no step comes, `waiting` says what the trainer waits for (every ~10 s).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ class Progress:
             parts.append(f"{rate:.2f} steps/s")
             parts.append("ETA " + _dur(eta))
         self._print("  ".join(parts))
+
+    def waiting(self, line: str) -> None:
+        """What the trainer waits for, when no step has been printed for a while (the
+        controller calls it at most every ~10 s): a live run is never silent."""
+        self._print(f"waiting for {line}")
 
     def _print(self, line: str) -> None:
         print(line, file=self.stream, flush=True)

@@ -18,11 +18,13 @@ episode and each finished group, and asks `raise_if_tripped` in its main loop.
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from areal_like.core.types import EpisodeFailures
 from rollout_cluster.server_manager import NoServerAvailableError, error_headline
 
 __all__ = ["FailFast", "FirstError", "RolloutFailedError"]
@@ -41,10 +43,26 @@ class FirstError:
     error_type: str
     message: str
     traceback: str
+    user_traceback: str = ""
+    """Only the user's frames and the exception line, for the console (empty when no
+    frame of the error is user code)."""
 
     @classmethod
     def of(cls, error: BaseException) -> FirstError:
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        # An engine's or server's error carries its own root cause (`error_headline`): that
+        # leads; otherwise, when user code raised it, the user's file and line lead.
+        located = None if getattr(error, "root_cause", "") else user_frame(error)
+        if located is not None:  # user code raised it: its file and line lead (docs/design.md §10.12)
+            where, exc = located
+            ours = _ours_or_library()
+            frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                      if not f.filename.startswith("<") and not os.path.realpath(f.filename).startswith(ours)]
+            short = ("Traceback (most recent call last, your code only):\n"
+                     + "".join(traceback.format_list(frames))
+                     + "".join(traceback.format_exception_only(type(exc), exc)))
+            return cls(f"{where}: {error_headline(exc)}", type(exc).__name__, str(exc), tb[-MAX_TRACEBACK_CHARS:],
+                       short[-MAX_TRACEBACK_CHARS:])
         cause: BaseException | None = error
         while cause is not None:  # an engine's own log (EngineDeadError.details) says most
             details = getattr(cause, "details", "")
@@ -53,6 +71,41 @@ class FirstError:
                 break
             cause = cause.__cause__
         return cls(error_headline(error), type(error).__name__, str(error), tb[-MAX_TRACEBACK_CHARS:])
+
+
+def _ours_or_library() -> tuple[str, ...]:
+    """Folders whose frames are not the user's: our four packages, the standard library
+    and installed packages."""
+    import sysconfig
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[2]
+    roots = [str(here / p) for p in ("areal_like", "rollout_cluster", "train_cluster", "weight_sync")]
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.append(str(Path(path).resolve()))
+    return tuple(r.rstrip(os.sep) + os.sep for r in roots)
+
+
+def user_frame(error: BaseException) -> tuple[str, BaseException] | None:
+    """`("path/file.py:LINE", exc)` for the innermost frame of user code in `error` or
+    its causes (a `RewardError` wraps the user's `KeyError`), or None when no frame is
+    the user's. The path is relative to the current directory when it is under it."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    ours = _ours_or_library()
+    for exc in reversed(chain):  # the root cause first
+        for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+            name = fr.filename
+            if name.startswith("<") or os.path.realpath(name).startswith(ours):
+                continue
+            rel = os.path.relpath(name)
+            return f"{name if rel.startswith('..') else rel}:{fr.lineno}", exc
+    return None
 
 
 class RolloutFailedError(RuntimeError):
@@ -134,6 +187,13 @@ class FailFast:
         """Whether to log the latest failure: the first few, then one in `log_every`,
         so a broken run does not flood its log while the window fills."""
         return self.failed <= self._log_first or self.failed % self._log_every == 0
+
+    def report(self) -> EpisodeFailures | None:
+        """What the trainer's console says of failures (`RolloutStats.failures`)."""
+        if self.first is None:
+            return None
+        return EpisodeFailures(first=self.first.headline, traceback=self.first.user_traceback[-4000:],
+                               stopped=self.tripped.reason if self.tripped is not None else None)
 
     def raise_if_tripped(self) -> None:
         if self.tripped is not None:

@@ -70,8 +70,23 @@ def _rollout_death_message(error: BaseException) -> str:
     return f"{headline}\n" + (f"{rest}\n" if rest else "") + f"the rollout side died ({type(root).__name__})"
 
 
+def _failed_episodes(error: BaseException) -> BaseException | None:
+    """A `RunFailed` for a rollout side that stopped because its episodes kept failing
+    (the same account its final report gives the trainer), else None."""
+    from areal_like.orchestration.fail_fast import RolloutFailedError
+    from areal_like.orchestration.trainer_controller import RunFailed
+
+    cause = getattr(error, "cause", None)  # Ray wraps what the actor raised
+    e = cause if isinstance(cause, RolloutFailedError) else error
+    if not isinstance(e, RolloutFailedError):
+        return None
+    tb = f"\n{e.first.user_traceback.rstrip()}" if e.first.user_traceback else ""
+    return RunFailed(f"{e.first.headline}{tb}\n{e.reason}")
+
+
 def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, on_step: Any = None,
-             on_start: Any = None, user: dict[str, Any] | None = None, zygote: Any = None) -> dict[str, int]:
+             on_start: Any = None, user: dict[str, Any] | None = None, zygote: Any = None,
+             reward_name: str | None = None) -> dict[str, int]:
     """Both clusters on this machine: plain processes from a zygote (`local` launcher;
     the CLI starts it before its own imports and passes it), or an embedded Ray with one
     placement group per pool."""
@@ -92,17 +107,19 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     startup.mark("imports")
     if zygote is not None:
         return _run_local(cfg, zygote, resume=resume, overwrite=overwrite, on_step=on_step, on_start=on_start,
-                          user=user)
-    return _run_ray(cfg, resume=resume, overwrite=overwrite, on_step=on_step, on_start=on_start, user=user)
+                          user=user, reward_name=reward_name)
+    return _run_ray(cfg, resume=resume, overwrite=overwrite, on_step=on_step, on_start=on_start, user=user,
+                    reward_name=reward_name)
 
 
 def _run_local(cfg: ExperimentConfig, zygote: Any, *, resume: bool, overwrite: bool, on_step: Any,
-               on_start: Any, user: dict[str, Any] | None) -> dict[str, int]:
+               on_start: Any, user: dict[str, Any] | None, reward_name: str | None = None) -> dict[str, int]:
     from areal_like.core.logs import run_log_path
     from areal_like.orchestration.trainer_side import TrainerSide
 
     try:
-        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=on_step, launcher=zygote)
+        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=on_step, launcher=zygote,
+                              reward_name=reward_name)
     except BaseException:
         zygote.close()
         raise
@@ -121,7 +138,7 @@ def _run_local(cfg: ExperimentConfig, zygote: Any, *, resume: bool, overwrite: b
 
 
 def _run_ray(cfg: ExperimentConfig, *, resume: bool, overwrite: bool, on_step: Any, on_start: Any,
-             user: dict[str, Any] | None) -> dict[str, int]:
+             user: dict[str, Any] | None, reward_name: str | None = None) -> dict[str, int]:
     import ray
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -163,7 +180,8 @@ def _run_ray(cfg: ExperimentConfig, *, resume: bool, overwrite: bool, on_step: A
             ray.shutdown()
 
     try:
-        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step)
+        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step,
+                              reward_name=reward_name)
     except BaseException:
         cleanup()
         raise
@@ -199,6 +217,9 @@ def _drive(trainer: Any, controller: Any, ref: Any, cleanup: Any) -> dict[str, i
             try:
                 out = actors.get(ref)
             except Exception as e:
+                failed = _failed_episodes(e)
+                if failed is not None:  # user code or the servers: --resume would not help
+                    raise failed from None
                 raise RuntimeError(_rollout_death_message(e)) from e
             raise RuntimeError(f"the rollout side stopped before the trainer finished: {out}")
 

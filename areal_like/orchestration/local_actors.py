@@ -110,7 +110,7 @@ class LocalActor:
             call_id = next(self._ids)
             self._pending[call_id] = fut
             try:
-                self._conn.send_bytes(pickle.dumps(("call", call_id, method, args, kwargs), protocol=5))
+                self._conn.send_bytes(_call_frame("call", call_id, method, (args, kwargs)))
             except (OSError, EOFError) as e:
                 self._pending.pop(call_id, None)
                 fut.set_exception(ActorDiedError(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {e}"))
@@ -127,16 +127,13 @@ class LocalActor:
                         self._dead = "its constructor failed"
                         pending, self._pending = self._pending, {}
                     for fut in pending.values():
-                        fut.set_exception(value)
+                        _settle(fut, False, value)
                     continue
                 with self._lock:
                     fut = self._pending.pop(call_id, None)
                 if fut is None:
                     continue
-                if kind == "ok":
-                    fut.set_result(value)
-                else:
-                    fut.set_exception(value)
+                _settle(fut, kind == "ok", value)
         except (EOFError, OSError) as e:
             if not isinstance(e, EOFError):
                 why = f"{type(e).__name__}: {e}"
@@ -147,7 +144,7 @@ class LocalActor:
             pending, self._pending = self._pending, {}
             self._conn.close()  # only here, under the lock `_call` sends under
         for fut in pending.values():
-            fut.set_exception(self._death())
+            _settle(fut, False, self._death())
 
     def _death(self) -> BaseException:
         if self._init_error is not None:
@@ -173,13 +170,22 @@ class LocalActor:
             pass
 
 
+def _settle(fut: concurrent.futures.Future[Any], ok: bool, value: Any) -> None:
+    """Complete a call's future, unless its caller cancelled it meanwhile (an asyncio
+    task awaiting it was cancelled): setting a cancelled future raises, and in the reader
+    thread that would leave every later reply unread."""
+    try:
+        fut.set_result(value) if ok else fut.set_exception(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 def choose_launcher(cfg: Any, user: dict[str, Any] | None = None) -> str:
     """`ray` or `local` for an `ExperimentConfig`'s `cluster.launcher` (docs/design.md
     §10.15; here, light to import, so the CLI can start the zygote first): `auto` is `local`
-    when nothing needs Ray: no cluster to join, no GPUs, the embedded engine, and Python
-    objects from the API (reward functions, tools) that travel to a process by value."""
-    import pickle
-
+    when nothing needs Ray: no cluster to join, no GPUs and the embedded engine. Python
+    objects from the API (reward functions, tools) do not decide it: they travel by value
+    either way. `user` is accepted for the callers' symmetry."""
     c = cfg.cluster
     if c.launcher != "auto":
         if c.launcher == "local" and c.ray_address:
@@ -193,11 +199,7 @@ def choose_launcher(cfg: Any, user: dict[str, Any] | None = None) -> str:
     if (c.ray_address or gpus or engine.type != "embedded" or getattr(engine, "device", "cpu") != "cpu"
             or cfg.train.backend.device != "cpu"):
         return "ray"
-    try:
-        pickle.dumps(user or {})
-    except Exception:  # a lambda or local function: Ray's cloudpickle carries it
-        return "ray"
-    return "local"
+    return "local"  # the API's callables travel by value (`_call_frame`), whatever defined them
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ class Zygote:
         its stdout and stderr go to the file `stdio` when given."""
         kwargs = kwargs or {}
         target = f"{cls.__module__}:{cls.__qualname__}"
-        init = pickle.dumps(("init", target, args, kwargs), protocol=5)  # refuses what cannot travel, here
+        init = _call_frame("init", 0, target, (args, kwargs))  # refuses what cannot travel, here
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         req = self._connect()
         try:
@@ -292,6 +294,8 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
 def _zygote_main(address: str, preload: list[str]) -> None:
     """Import `preload`, then fork one actor per request until stdin closes."""
     _set_process_name("zygote")
+    _die_with_parent()  # stdin's end is read only after the imports: a driver killed during them
+    # must not leave this process behind (the actors go when their callers do)
     for mod in preload:
         try:
             importlib.import_module(mod)
@@ -360,6 +364,19 @@ def _zygote_main(address: str, preload: list[str]) -> None:
             conn.close()
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when the one that started it dies (Linux PR_SET_PDEATHSIG)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: stdin's end still stops it, after the imports
+        return
+    if os.getppid() != parent:  # it died before the call took effect
+        os._exit(0)
+
+
 def _set_process_name(name: str) -> None:
     """`areal-<name>` in ps/top (Linux keeps 15 bytes), as Ray names its actors `ray::<Class>`."""
     try:
@@ -390,7 +407,8 @@ def _actor_main(fd: int, head: dict[str, Any]) -> None:
 
         torch.set_num_threads(int(threads))
     try:
-        _, target, args, kwargs = pickle.loads(conn.recv_bytes())
+        _, _, target, payload = pickle.loads(conn.recv_bytes())
+        args, kwargs = pickle.loads(payload)
         mod, qual = target.split(":")
         cls: Any = importlib.import_module(mod)
         for part in qual.split("."):
@@ -425,8 +443,11 @@ def _actor_main(fd: int, head: dict[str, Any]) -> None:
         if msg is None:  # the caller is gone
             loop.stop()
             return
-        _, call_id, method, args, kwargs = msg
+        _, call_id, method, payload = msg
         try:
+            # Decoded here, not by the reader thread: arguments that cannot be rebuilt in
+            # this process fail this call with their error instead of silencing the actor.
+            args, kwargs = pickle.loads(payload)
             fn = getattr(obj, method)
             if inspect.iscoroutinefunction(fn):
                 async def run() -> None:
@@ -459,6 +480,9 @@ def _actor_main(fd: int, head: dict[str, Any]) -> None:
                 msg = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 msg = None
+            except Exception as e:  # a frame that is not ours: the caller is broken, so are we
+                print(f"actor {head.get('name')}: unreadable call frame ({type(e).__name__}: {e})", file=sys.stderr)
+                msg = None
             try:
                 loop.call_soon_threadsafe(dispatch, msg)
             except RuntimeError:  # the loop is closed
@@ -472,6 +496,53 @@ def _actor_main(fd: int, head: dict[str, Any]) -> None:
 
 
 _send_lock = threading.Lock()
+
+
+def _call_frame(kind: str, call_id: int, target: str, payload: tuple[Any, ...]) -> bytes:
+    """One call (or the constructor, `init`) to an actor: a plain header around the
+    arguments, which travel by cloudpickle, as Ray sends them: a function defined in
+    `__main__`, a notebook cell, a lambda or a closure reaches the actor by value
+    (docs/design.md §10.16). The header always decodes, so a payload the actor cannot
+    rebuild fails that one call with its own error."""
+    return pickle.dumps((kind, call_id, target, by_value(payload)), protocol=5)
+
+
+def by_value(obj: Any) -> bytes:
+    """`cloudpickle.dumps(obj)`, keeping each function's source file name: cloudpickle
+    writes `<dynamic-code>` instead, and a user's error must name the user's file
+    (`my_task/reward.py:12: KeyError: 'q'`, docs/design.md §10.12)."""
+    import io
+
+    buf = io.BytesIO()
+    _pickler()(buf, protocol=5).dump(obj)
+    return buf.getvalue()
+
+
+_PICKLER: Any = None
+
+
+def _pickler() -> Any:
+    global _PICKLER
+    if _PICKLER is None:
+        import types
+        from collections import ChainMap
+
+        import cloudpickle
+
+        code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+        if code_reduce is None:  # another cloudpickle: names are lost, nothing else
+            _PICKLER = cloudpickle.Pickler
+            return _PICKLER
+
+        def keep_filename(code: types.CodeType) -> Any:
+            fn, args = code_reduce(code)
+            return fn, tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>" else a for a in args)
+
+        class _Pickler(cloudpickle.Pickler):  # type: ignore[misc, name-defined]
+            dispatch_table = ChainMap({types.CodeType: keep_filename}, cloudpickle.Pickler.dispatch_table)
+
+        _PICKLER = _Pickler
+    return _PICKLER
 
 
 def _send(conn: Connection, msg: Any) -> None:

@@ -76,7 +76,8 @@ class RolloutPeers:
             s.delivered += msg.size
         elif msg.kind == "final":
             s.final = msg
-            if not stopping:
+            if not stopping and not (msg.failures is not None and msg.failures.stopped):
+                # (a side stopped by failing episodes: the trainer ends the run with their cause)
                 log.error("the rollout side (%s) stopped while the trainer still needs data; waiting up to "
                           "transport.peer_timeout_s=%.0fs for a rollout side to join", o.sender, self.timeout_s)
                 self._lose()

@@ -211,6 +211,9 @@ class RolloutController:
             return out, (await self.score(row, out) if out is not None else 0.0)
 
         task = asyncio.ensure_future(attempt())
+        # An episode cancelled by the stop while its attempt fails: the error is counted
+        # elsewhere or moot, never "Task exception was never retrieved" in the log.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             done, _ = await asyncio.wait({task}, timeout=self.episode_timeout_s)
             if not done:  # a hung tool or server: stop it, free its capacity, say so
@@ -388,6 +391,7 @@ class RolloutController:
             counters=self.counters(),
             held=self._held,
             running_groups=dict(self._admitted),
+            failures=self.fail_fast.report(),
         )
 
     def _stamp(self, msg: TrajectoryGroup | RolloutStats) -> TrajectoryGroup | RolloutStats:
@@ -434,7 +438,9 @@ class RolloutController:
         for t in (control, stats):
             t.cancel()
         pending = [t for t in self._eval_tasks if not t.done()]
-        if pending:  # the last version's evaluation is the one users look at: let it finish
+        if pending and self.fail_fast.tripped is None:
+            # The last version's evaluation is the one users look at: let it finish (not
+            # when episodes keep failing: it would fail too, and the error waits for it).
             await asyncio.wait(pending, timeout=self.eval_timeout_s)
         for t in self._eval_tasks:
             t.cancel()

@@ -45,8 +45,9 @@ from areal_like.orchestration.channels import ControlPublisher, DataPuller
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
+from areal_like.orchestration.watch import FailureNotes, SignalWatch, WaitNotes
 
-__all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted", "RunInterrupted"]
+__all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted", "RunFailed", "RunInterrupted"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,12 @@ class RunAborted(RuntimeError):
     """The run stopped on a fault it cannot go on through (a dead train worker, a dead
     rollout side, a full disk). The message says what happened and which checkpoint
     `--resume` continues from."""
+
+
+class RunFailed(RunAborted):
+    """The run stopped because of something `--resume` cannot fix: user code that keeps
+    failing (its file and line first), or no learning signal. The message leads with
+    the cause and carries no resume hint."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -117,6 +124,8 @@ class TrainerController:
         run_id: str | None = None,
         epoch: int = 0,
         vocab_size: int | None = None,
+        reward_name: str | None = None,
+        on_wait: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -131,6 +140,11 @@ class TrainerController:
         self.check_peers = check_peers
         """Raises if the rollout side (when this process knows it) has died."""
         self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
+        self.signal = SignalWatch(reward_name or cfg.agent.reward, max_no_signal_s=cfg.agent.max_no_signal_s)
+        self.failure_notes = FailureNotes()
+        self.on_wait = on_wait
+        """Prints what the trainer waits for (the console's `Progress.waiting`); else the log."""
+        self.wait_notes = WaitNotes()
         self.vocab_size = vocab_size
         """Token ids at or above it are refused at the edge (they would crash the train step)."""
         self.peers = RolloutPeers(run_id or uuid.uuid4().hex[:12], epoch, dead_s=cfg.transport.peer_dead_s,
@@ -223,7 +237,7 @@ class TrainerController:
         """Ctrl-C: tell the rollout side (goodbye), save the whole state, collect the rollout
         side's final counts briefly and write the summary, so the run reads as stopped,
         not crashed, and `--resume` continues it."""
-        log.warning("stop requested at v%d: writing a final checkpoint and the summary", self.trainer.version)
+        log.info("stop requested at v%d: writing a final checkpoint and the summary", self.trainer.version)
         self._announce_stop()
         self._abort_checkpoint()
         summary = self._finish(wait_s=10.0, reason="interrupted")
@@ -283,6 +297,7 @@ class TrainerController:
                         rec = {**rec, "eval_accuracy": self.telemetry.evals[-1]["accuracy"],
                                "eval_version": self.telemetry.evals[-1]["version"]}
                     self.on_step(rec)
+                    self.wait_notes.printed()
                 if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
                     self.checkpoint()
             t_wait = time.time()
@@ -440,9 +455,41 @@ class TrainerController:
             if self.check_peers is not None:
                 self.check_peers()
             self.peers.check()
+        except RunFailed:
+            raise
         except Exception as e:  # the trainer's state is whole: save it before stopping
             self._abort_checkpoint()
             raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
+        line, verdict = self.signal.check()
+        if verdict is not None:
+            raise RunFailed(f"{verdict}\nthe run stopped at v{v}")
+        if line is not None:
+            log.warning("%s", line)
+            self.wait_notes.printed()
+        if self.wait_notes.due():
+            self._say(self._waiting_for(v))
+
+    def _say(self, line: str) -> None:
+        if self.on_wait is not None:
+            self.on_wait(line)
+        else:
+            log.info("waiting: %s", line)
+
+    def _waiting_for(self, v: int) -> str:
+        """What the trainer waits for, in words (one console line every ~10 s)."""
+        r, b = self.rollout, self.cfg.train.batch_size
+        if self.peers.accepted is None:
+            return "the rollout side to connect (it starts its servers and loads the model)"
+        if r is None:
+            return "the rollout side's first report"
+        stragglers = self._stragglers(v)
+        if stragglers and self.buffer.num_groups >= b:
+            return (f"{len(stragglers)} straggler group(s) that the step to v{v + 1} would push past "
+                    f"η={self.cfg.staleness.max_staleness} (docs/design.md §10.4)")
+        s = self.signal
+        uniform = f", {s.total_uniform} of {s.total_groups} groups so far filtered as uniform" if s.total_uniform else ""
+        return (f"data for step {v + 1}: {self.buffer.num_groups}/{b} groups buffered, {r.running} episodes running "
+                f"on the rollout side (serving v{r.loaded_version}){uniform}")
 
     def _abort_checkpoint(self) -> None:
         try:
@@ -570,7 +617,7 @@ class TrainerController:
                           msg.group_id, problem, msg.size)
                 self.buffer.put_invalid(msg)
                 return
-            self.buffer.put(msg)
+            self.signal.group(msg, self.buffer.put(msg))
             self.telemetry.m.buffer_depth.set(self.buffer.depth)
         elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
             self.telemetry.evaluation(msg, self.trainer.version)
@@ -590,10 +637,23 @@ class TrainerController:
                 self._report_seq[msg.origin.sender] = seq  # type: ignore[union-attr]
             self.rollout = msg
             self._rollout_at = time.time()
+            self._failures(msg)
             running = set(msg.running_groups)  # what this report still lists may yet arrive
             self._arrived &= running
             self._straggler_since = {g: t for g, t in self._straggler_since.items() if g in running}
             self.telemetry.rollout_report(msg, self.trainer.version)
+
+    def _failures(self, msg: RolloutStats) -> None:
+        """Failing episodes reach the console (their first error, led by the user's file
+        and line); a rollout side that stopped because of them ends the run with it."""
+        f = msg.failures
+        if f is not None and f.stopped and not self._stopping:
+            tb = f"\n{f.traceback.rstrip()}" if f.traceback else ""
+            raise RunFailed(f"{f.first}{tb}\n{f.stopped}; the run stopped at v{self.trainer.version}")
+        line = self.failure_notes.report(msg)
+        if line is not None:
+            log.warning("%s", line)
+            self.wait_notes.printed()
 
     # ---- checkpoint and end ----------------------------------------------------------------
     def _accounted(self) -> int:
@@ -624,8 +684,11 @@ class TrainerController:
             self._announce(force=True)  # acknowledges the final report: the rollout side exits on it
             time.sleep(0.2)  # PUB drops what is unsent at close
         if self.peers.accepted is not None and self.peers.accepted_final() is None:
-            log.error("the rollout side did not report its final counts within %.0fs: what it started and did not "
-                      "deliver is counted as cancelled", wait_s)
+            # After Ctrl-C the short wait is the user's wish, not a fault (the rollout side
+            # may still be finishing its last evaluation): said in the log, not as an ERROR.
+            (log.info if reason == "interrupted" else log.error)(
+                "the rollout side did not report its final counts within %.0fs: what it started and did not "
+                "deliver is counted as cancelled", wait_s)
         started = self.started_before_resume + self.peers.started()
         summary = self.buffer.summary(started=started, cancelled=self.peers.cancelled())
         ok = TrajectoryBuffer.counts_add_up(summary)

@@ -25,7 +25,7 @@ class TrainerSide:
 
     def __init__(self, cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False,
                  placement_group: Any = None, on_step: Any = None, check_peers: Any = None,
-                 launcher: Any = None) -> None:
+                 launcher: Any = None, reward_name: str | None = None) -> None:
         from areal_like.core.metrics import MetricsLog, MetricsRegistry
         from areal_like.orchestration.channels import ControlPublisher, DataPuller
         from areal_like.orchestration.run_dir import RunDir
@@ -65,6 +65,8 @@ class TrainerSide:
         self.launcher = launcher
         self.on_step = on_step
         self.check_peers = check_peers
+        self.reward_name = reward_name or cfg.agent.reward
+        """How the console names the reward (a callable's name from the API, else `agent.reward`)."""
         self.group: Any = None
         self.controller: Any = None
         startup.mark("trainer_side")
@@ -100,7 +102,8 @@ class TrainerSide:
             cfg, trainer=trainer, weights=self.sender, puller=self.puller, publisher=self.publisher,
             run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
             on_step=self.on_step, check_peers=self.check_peers, run_id=self.run_id, epoch=self.epoch,
-            vocab_size=_vocab_size(self.model_path),
+            vocab_size=_vocab_size(self.model_path), reward_name=self.reward_name,
+            on_wait=getattr(self.on_step, "waiting", None),
         )
         if self.resume:
             self.controller.resume()

@@ -1,0 +1,128 @@
+"""What the trainer's console says when a run is not learning or its episodes fail
+(docs/design.md §10.13, §10.15). Plain bookkeeping, no I/O: the trainer controller feeds
+it and prints or raises what it returns.
+
+- `SignalWatch`: groups whose samples all scored the same carry no GRPO signal and are
+  dropped as `filtered` (`staleness.filter_uniform_groups`). When nothing but such groups
+  arrives, the trainer never forms a batch and, before this, printed nothing for as long
+  as the user waited. It names the situation (the reward, its values, the share of
+  groups filtered, the setting that filters them) and, past `agent.max_no_signal_s` with
+  no group to learn from, says the run must stop.
+- `FailureNotes`: episodes that fail (a reward that raises on some rows) are counted on
+  the rollout side, whose log is not the console; one line within seconds of the first
+  report of them, then at most one a minute while the count grows.
+- `WaitNotes`: a line at least every `every_s` while the trainer waits, saying for what.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from areal_like.core.types import EpisodeFailures, RolloutStats, TrajectoryGroup
+
+__all__ = ["SignalWatch", "FailureNotes", "WaitNotes"]
+
+
+def _values(counts: Counter[float], most: int = 4) -> str:
+    """`0.0 ×296` or `1.0 ×40, 0.0 ×8` (the most common first)."""
+    parts = [f"{v:g} ×{n}" for v, n in counts.most_common(most)]
+    if len(counts) > most:
+        parts.append(f"{len(counts) - most} more values")
+    return ", ".join(parts)
+
+
+class SignalWatch:
+    """Counts groups without a learning signal since the last one that had it."""
+
+    def __init__(self, reward_name: str, *, max_no_signal_s: float, name_after_s: float = 10.0,
+                 every_s: float = 30.0, min_groups: int = 2, clock: Any = time.monotonic) -> None:
+        self.reward_name = reward_name
+        self.max_no_signal_s = max_no_signal_s
+        self.name_after_s = name_after_s
+        self.every_s = every_s
+        self.min_groups = min_groups
+        self.clock = clock
+        self.since: float | None = None
+        """When the first group of the current stretch without signal arrived (None: the last group had signal)."""
+        self.uniform = 0
+        self.values: Counter[float] = Counter()
+        self.total_uniform = 0
+        self.total_groups = 0
+        self._said_at: float | None = None
+
+    def group(self, group: TrajectoryGroup, outcome: str | None) -> None:
+        """A group arrived at the buffer; `outcome` is what the buffer did with it
+        (`None`: kept for training, `filtered`: uniform rewards, other drops ignored)."""
+        self.total_groups += 1
+        if outcome is None:
+            self.since, self.uniform, self._said_at = None, 0, None
+            self.values.clear()
+        elif outcome == "filtered":
+            self.total_uniform += 1
+            if self.since is None:
+                self.since = self.clock()
+            self.uniform += 1
+            self.values.update(round(float(t.reward), 4) for t in group.trajectories)
+
+    def check(self) -> tuple[str | None, str | None]:
+        """`(line, verdict)`: a console line to print now (or None), and, past
+        `max_no_signal_s` without a group to learn from, why the run must stop."""
+        if self.since is None or self.uniform < self.min_groups:
+            return None, None
+        now = self.clock()
+        waited = now - self.since
+        what = (f"all {self.uniform} groups of the last {waited:.0f}s scored the same within each group "
+                f"(reward {self.reward_name!r}, samples: {_values(self.values)}); staleness.filter_uniform_groups "
+                "drops them (set it false to train on them with advantage 0), so there is nothing to train on")
+        if waited >= self.max_no_signal_s:
+            return None, (f"no learning signal for {waited:.0f}s (agent.max_no_signal_s={self.max_no_signal_s:g}): "
+                          f"{what}. Check that the reward can tell answers apart on these rows.")
+        if waited < self.name_after_s or (self._said_at is not None and now - self._said_at < self.every_s):
+            return None, None
+        self._said_at = now
+        left = self.max_no_signal_s - waited
+        return (f"no learning signal: {what}. The run stops in {left:.0f}s (agent.max_no_signal_s) unless a group "
+                "with different rewards arrives."), None
+
+
+class FailureNotes:
+    """One console line for failing episodes, then one a minute while the count grows."""
+
+    def __init__(self, every_s: float = 60.0, clock: Any = time.monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self._said: tuple[float, int] | None = None
+
+    def report(self, stats: RolloutStats) -> str | None:
+        f: EpisodeFailures | None = stats.failures
+        failed = stats.outcomes.failed
+        if f is None or failed == 0 or f.stopped:
+            return None
+        now = self.clock()
+        if self._said is not None and (now - self._said[0] < self.every_s or failed == self._said[1]):
+            return None
+        self._said = (now, failed)
+        done = stats.outcomes.sent + stats.outcomes.rejected + failed
+        return (f"{failed} of {done} episodes failed so far ({failed / max(done, 1):.0%}); they are counted as "
+                f"failed and the run goes on. First: {f.first}")
+
+
+class WaitNotes:
+    """A line at least every `every_s` seconds while nothing else is printed."""
+
+    def __init__(self, every_s: float = 10.0, clock: Any = time.monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self._last = clock()
+
+    def printed(self) -> None:
+        """Something was printed (a progress line): the next wait line is due later."""
+        self._last = self.clock()
+
+    def due(self) -> bool:
+        if self.clock() - self._last < self.every_s:
+            return False
+        self._last = self.clock()
+        return True
