@@ -10,13 +10,17 @@
         reward_funcs=exact,                      # a callable, a list of them, or a built-in name
         args={"train": {"total_steps": 50}, "run": {"dir": "runs/api"}},   # dict, YAML path or ExperimentConfig
         train_dataset=[{"prompt": "123+456", "answer": "579"}, ...],      # rows, or None for the config's
+        overrides={"train.lr": 1e-4},            # dotted keys, as `--set` (optional)
     )
     summary = trainer.train()
 
 Classes and callables are passed directly (docs/design.md §9.10): reward functions, tools
-(plain functions or `BaseTool` instances) and agent loops (`{"name": Class}`). They reach
-the rollout side inside the one Ray cluster `train()` starts, which is the only place
-Ray's own serialisation is used (§9.7). Several reward functions are summed, as in TRL;
+(plain functions or `BaseTool` instances) and agent loops (`{"name": Class}`), defined
+anywhere: in a module, in the calling script's `__main__`, in a notebook cell, as a
+lambda or a closure. They reach the rollout side's processes by value (cloudpickle, as
+Ray sends them; §10.16), over the local launcher's Unix sockets on one machine (no Ray),
+or inside the Ray cluster `train()` starts for GPUs and clusters; never over a network
+wire (§9.7). Several reward functions are summed, as in TRL;
 each one's value is also recorded as the episode metric `reward_<function name>`.
 
 Reward functions written for TRL (`def f(completions, prompts=None, **kwargs) -> list[float]`)
@@ -53,13 +57,9 @@ class GRPOTrainer:
         *,
         tools: Sequence[Any] | None = None,
         agent_loops: dict[str, Any] | None = None,
+        overrides: dict[str, Any] | Sequence[str] | None = None,
     ) -> None:
-        if isinstance(args, ExperimentConfig):
-            cfg = args.model_copy(deep=True)
-        elif isinstance(args, (str, Path)):
-            cfg = load_config(args)
-        else:
-            cfg = ExperimentConfig.model_validate(args or {})
+        cfg = _config(args, overrides)
         cfg.model.path = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else str(model)
         self.cfg = resolve_paths(cfg)
         keys = {"prompt_key": cfg.dataset.prompt_key, "answer_key": cfg.dataset.answer_key}
@@ -108,6 +108,33 @@ class GRPOTrainer:
             for i, line in enumerate(text.splitlines()):
                 print(f"error: {line}" if i == 0 else line, file=progress.stream, flush=True)
             raise type(e)(text.splitlines()[0] if text else type(e).__name__) from None
+
+
+def _config(args: ExperimentConfig | dict[str, Any] | str | Path | None,
+            overrides: dict[str, Any] | Sequence[str] | None) -> ExperimentConfig:
+    """`args` (a config object, a dict of sections or a YAML path) with `overrides` on top:
+    dotted keys as for `--set` (`{"train.total_steps": 20}` or `["train.total_steps=20"]`),
+    validated as the CLI validates them (a `ConfigError` names a wrong key)."""
+    import json
+
+    from pydantic import ValidationError
+
+    from areal_like.core.config import ConfigError, apply_overrides
+
+    # JSON is YAML: each value arrives as the type it was given (a string stays a string)
+    items = ([f"{k}={json.dumps(v)}" for k, v in overrides.items()] if isinstance(overrides, dict)
+             else list(overrides or []))
+    if isinstance(args, (str, Path)):
+        return load_config(args, items)
+    data = args.model_dump(mode="json") if isinstance(args, ExperimentConfig) else dict(args or {})
+    source = args.source if isinstance(args, ExperimentConfig) else None
+    try:
+        cfg = ExperimentConfig.model_validate(apply_overrides(data, items) if items else data)
+    except ValidationError as e:
+        raise ConfigError(f"GRPOTrainer args: {e}") from None
+    if source is not None:
+        cfg.source = source
+    return cfg
 
 
 def _reward_name(fn: Any) -> str:

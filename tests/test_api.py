@@ -73,3 +73,22 @@ def test_grpo_trainer_takes_trl_rewards_and_holds_out_eval_rows(tiny_model_dir, 
     assert reward == 1.5 and metrics == {"reward_accuracy": 1.0, "reward_has_digits": 0.5, "format_ok": 1.0}
     alone = GRPOTrainer(model=tiny_model_dir, reward_funcs=accuracy, args=args, train_dataset=rows[:10])
     assert alone.eval_rows == []  # too few rows to hold any out: no evaluation, never the built-in set
+
+
+def test_overrides_take_the_dotted_keys_of_set_on_any_args(tiny_model_dir, tmp_path) -> None:
+    """TRL users change a setting without reading our code: `overrides` (dotted keys, as
+    `--set`) on top of a YAML path, a dict or a config object; a wrong key is named."""
+    from areal_like.api import GRPOTrainer
+    from areal_like.core.config import ConfigError, load_config
+
+    rows = [{"prompt": f"{i}+{i}", "answer": str(2 * i)} for i in range(40)]
+    over = {"train.total_steps": 3, "run.dir": str(tmp_path / "r"), "staleness.max_staleness": 0}
+    for args in ("configs/quickstart.yaml", {"train": {"lr": 1e-4}}, load_config("configs/quickstart.yaml")):
+        t = GRPOTrainer(model=tiny_model_dir, reward_funcs="arithmetic", args=args, train_dataset=rows,
+                        overrides=over)
+        assert (t.cfg.train.total_steps, t.cfg.run.dir, t.cfg.staleness.max_staleness) == (3, str(tmp_path / "r"), 0)
+    t = GRPOTrainer(model=tiny_model_dir, reward_funcs="arithmetic", args="configs/quickstart.yaml",
+                    overrides=["train.total_steps=4"])
+    assert t.cfg.train.total_steps == 4 and t.cfg.train.mini_batches == 4  # the rest of the YAML stays
+    with pytest.raises(ConfigError, match="total_stepz"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs="arithmetic", args={}, overrides={"train.total_stepz": 3})

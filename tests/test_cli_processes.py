@@ -84,3 +84,4 @@ def test_ctrl_c_or_sigterm_stops_everything(tiny_model_dir, tmp_path, how) -> No
     steps = [r["step"] for r in recs if r["kind"] == "train_step" and not r["skipped"]]
     assert (run_dir / "checkpoints" / f"v{max(steps):06d}" / "COMPLETE").is_file()
     assert "stopped: {" in out and "--resume" in out, out[-3000:]
+    assert "ERROR" not in out, out[-3000:]  # an orderly stop is quiet (docs/design.md §10.15)
