@@ -18,7 +18,7 @@ Classes and callables are passed directly (docs/design.md §9.10): reward functi
 (plain functions or `BaseTool` instances) and agent loops (`{"name": Class}`), defined
 anywhere: in a module, in the calling script's `__main__`, in a notebook cell, as a
 lambda or a closure. They reach the rollout side's processes by value (cloudpickle, as
-Ray sends them; §10.16), over the local launcher's Unix sockets on one machine (no Ray),
+Ray sends them; §10.15), over the local launcher's Unix sockets on one machine (no Ray),
 or inside the Ray cluster `train()` starts for GPUs and clusters; never over a network
 wire (§9.7). Several reward functions are summed, as in TRL;
 each one's value is also recorded as the episode metric `reward_<function name>`.

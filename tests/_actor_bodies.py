@@ -53,7 +53,7 @@ class AsyncEcho:
 
 
 class Apply:
-    """Calls what it is handed: user callables must arrive by value (docs/design.md §10.16)."""
+    """Calls what it is handed: user callables must arrive by value (docs/design.md §10.15)."""
 
     def call(self, fn, *args):  # noqa: ANN001, ANN002, ANN201 - any callable, any arguments
         return fn(*args)

@@ -1,6 +1,6 @@
 """A user's first mistakes, met as a user meets them: `areal-like run` and API scripts in
 real processes, their console read line by line with the time each line came
-(docs/design.md §10.12, §10.13, §10.15).
+(docs/design.md §10.12, §10.13, §10.15, §10.18).
 
 - a reward that scores everything the same is named on the console (reward, values,
   the setting that filters) and the run stops by itself with exit 1;

@@ -502,7 +502,7 @@ def _call_frame(kind: str, call_id: int, target: str, payload: tuple[Any, ...]) 
     """One call (or the constructor, `init`) to an actor: a plain header around the
     arguments, which travel by cloudpickle, as Ray sends them: a function defined in
     `__main__`, a notebook cell, a lambda or a closure reaches the actor by value
-    (docs/design.md §10.16). The header always decodes, so a payload the actor cannot
+    (docs/design.md §10.15). The header always decodes, so a payload the actor cannot
     rebuild fails that one call with its own error."""
     return pickle.dumps((kind, call_id, target, by_value(payload)), protocol=5)
 

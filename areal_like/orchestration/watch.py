@@ -1,5 +1,5 @@
 """What the trainer's console says when a run is not learning or its episodes fail
-(docs/design.md §10.13, §10.15). Plain bookkeeping, no I/O: the trainer controller feeds
+(docs/design.md §10.13, §10.18). Plain bookkeeping, no I/O: the trainer controller feeds
 it and prints or raises what it returns.
 
 - `SignalWatch`: groups whose samples all scored the same carry no GRPO signal and are
