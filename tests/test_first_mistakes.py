@@ -110,6 +110,21 @@ def test_a_reward_raising_on_every_row_leads_with_the_users_line(tiny_model_dir,
         assert word not in out, (word, out)
 
 
+def test_a_rollout_process_that_cannot_start_ends_the_run_at_once(tiny_model_dir, tmp_path) -> None:
+    """The rollout side dies while starting (its reward module fails to import there):
+    the run ends with that cause first, not after transport.peer_timeout_s of waiting."""
+    reward = tmp_path / "needs.py"
+    reward.write_text("import json\nimport no_such_package_for_this_reward\n\ndef score(sample, output):\n"
+                      "    return 1.0\n")
+    c = _run_cli(tiny_model_dir, tmp_path, reward, "train.total_steps=5", "transport.peer_timeout_s=600")
+    rc = c.wait(120)  # far below peer_timeout_s: the death is seen, not waited out
+    out = c.text()
+    assert rc in (1, 2), out[-3000:]
+    errors = [s for _, s in c.lines if s.startswith("error:")]
+    assert errors and errors[0].startswith(f"error: {reward}:2: ModuleNotFoundError"), out
+    assert "no rollout side for" not in out, out
+
+
 def test_a_reward_failing_on_some_rows_is_said_once_and_the_run_goes_on(tiny_model_dir, tmp_path) -> None:
     reward = tmp_path / "sometimes.py"
     reward.write_text(textwrap.dedent("""\
@@ -208,8 +223,13 @@ def _marked(mark: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("how", ["api-sigterm", "api-sigkill", "cli-sigkill"])
-@pytest.mark.parametrize("after_s", [1.0, 6.0, 15.0])
+_KILLS = [(how, after) for how in ("api-sigterm", "api-sigkill", "cli-sigkill") for after in (1.0, 6.0, 15.0)]
+_QUICK = {("api-sigkill", 1.0), ("cli-sigkill", 6.0), ("api-sigterm", 15.0)}
+"""One kill per way and moment class in the default suite; the whole grid in the slow one."""
+
+
+@pytest.mark.parametrize(("how", "after_s"), [k if k in _QUICK else pytest.param(*k, marks=pytest.mark.slow)
+                                             for k in _KILLS])
 def test_a_killed_run_leaves_no_process_of_ours(tiny_model_dir, tmp_path, how, after_s) -> None:
     """Killed during start-up (imports, the zygote, the first actors) or while training:
     10 s later nothing of the run is alive (a zygote once lived on for minutes)."""
