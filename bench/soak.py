@@ -17,7 +17,7 @@ bound (RSS of every process that lived through the measured window flat within
     nice -n 10 python bench/soak.py --minutes 60 [--warmup-minutes 10] [--interval 10]
         [--config configs/quickstart.yaml] [--run-dir runs/soak] [--set KEY=VALUE ...]
     python bench/soak.py --summarise runs/soak/soak.csv [--warmup-minutes 10]
-    python bench/soak.py --smoke   # 15 s sampled every second, no warm-up, a temporary folder
+    python bench/soak.py --smoke   # 6 s sampled every 0.5 s, no warm-up, a temporary folder
 
 The JSON line is bench/_record.py's (its `other_cores`: CPU of processes outside this
 benchmark and the run it started).
@@ -298,7 +298,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra --set KEY=VALUE")
     ap.add_argument("--summarise", metavar="CSV", default=None,
                     help="no run: summarise and plot an existing soak.csv (e.g. of a run cut short)")
-    args, recorder = _record.parse(ap, __file__, smoke={"minutes": 0.25, "interval": 1.0, "warmup_minutes": 0.0})
+    args, recorder = _record.parse(ap, __file__, smoke={"minutes": 0.1, "interval": 0.5, "warmup_minutes": 0.0})
     if args.run_dir is None:
         args.run_dir = str(_record.out_dir(None, "soak", True) / "soak") if args.smoke else "runs/soak"
 

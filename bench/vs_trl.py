@@ -30,7 +30,7 @@ re-executes itself there). Progress goes to stderr; the last stdout line is one 
 object with `speedup_time_to_target_vs_trl` (TRL's time / ours).
 
     python bench/vs_trl.py [--target 0.9] [--repeats 1] [--form tool]
-    python bench/vs_trl.py --smoke   # (or --quick) 2 steps each, 8 held-out problems
+    python bench/vs_trl.py --smoke   # (or --quick) 2 steps each, the last evaluated on 8 problems
 
 `--smoke` (tests/test_bench_smoke.py) never runs bench/setup_trl.sh: it runs our side for
 real and, when `.venv-trl` is missing (no `.venv-trl/.setup_trl` stamp: the default test
@@ -466,7 +466,7 @@ def main() -> None:
                     help="TRL's learning rate: one optimizer step per batch wants the larger rate our "
                          "quickstart used before it took 4 mini-batches (7.5e-5 each); TRL at 7.5e-5 is slower")
     args, recorder = _record.parse(ap, __file__, smoke_aliases=("--quick",), smoke={
-        "ours_steps": 2, "trl_max_steps": 2, "trl_max_seconds": 300.0, "eval_n": 8, "eval_stride": 1,
+        "ours_steps": 2, "trl_max_steps": 2, "trl_max_seconds": 300.0, "eval_n": 8, "eval_stride": 2,
         "trl_stop_margin": -1.0, "repeats": 1})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 
