@@ -475,7 +475,8 @@ def main() -> None:
         # No downloads in a smoke run: our side for real, the TRL side compiled only.
         contender = ROOT / "bench" / "_trl_contender.py"
         compile(contender.read_text(), str(contender), "exec")  # a SyntaxError fails the smoke run
-        trl_skipped = "skipped: .venv-trl missing"
+        trl_skipped = ("skipped: .venv-trl missing" if not (TRL_VENV / "bin" / "python").exists()
+                       else "skipped: .venv-trl not set up to the end (no .setup_trl stamp)")
         log.warning("smoke: %s (bench/setup_trl.sh sets it up); bench/_trl_contender.py compiles; "
                     "running ours only", TRL_VENV)
         args.ours_only = True

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 log = logging.getLogger("bench.weight_sync")
+FAIL_ENV = "AREAL_BENCH_WEIGHT_SYNC_FAIL"
 
 
 def qwen2_like(
@@ -130,6 +131,8 @@ def _receiver(rid: str, rank: int, size: int, store_addr: str, raw_port: int, in
     from areal_like.core.types import WeightUpdateMeta
     from weight_sync import DistWeightReceiver
 
+    if os.environ.get(FAIL_ENV):  # tests/test_bench_smoke.py: a receiver that fails before the rendezvous
+        raise RuntimeError(f"injected receiver failure ({FAIL_ENV} is set)")
     receiver = DistWeightReceiver(DistWeightSyncConfig(type="dist", timeout_s=120), rid)
     receiver.connect(store_addr)
     raw_store = dist.TCPStore("127.0.0.1", raw_port, None, False, timeout=datetime.timedelta(seconds=120))

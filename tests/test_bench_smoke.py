@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,19 @@ def test_bench_smoke(script: str, tmp_path: Path) -> None:
     assert datetime.datetime.fromisoformat(rec["date"]).utcoffset() == datetime.timedelta(0), rec["date"]
     assert isinstance(rec["other_cores"], (int, float)) and rec["other_cores"] >= 0, rec["other_cores"]
     assert _results_state() == before, "a smoke run must not write bench/results/"
+
+
+@pytest.mark.timeout(180)
+def test_weight_sync_fails_fast_with_the_receivers_error(tmp_path: Path) -> None:
+    """A receiver that dies before the rendezvous used to leave the parent waiting 120 s."""
+    env = {**os.environ, "AREAL_BENCH_SMOKE_DIR": str(tmp_path), "AREAL_BENCH_WEIGHT_SYNC_FAIL": "1"}
+    t0 = time.monotonic()
+    p = _run([sys.executable, "bench/weight_sync.py", "--smoke"], env, 150)
+    took = time.monotonic() - t0
+    assert p.returncode != 0
+    assert "receiver r0 failed" in p.stderr and "injected receiver failure" in p.stderr, p.stderr[-3000:]
+    assert took < 60, f"took {took:.0f} s: the parent waited for a timeout instead of the receiver's error"
+    assert not p.stdout.strip(), p.stdout
 
 
 def _bench_table(*args: str) -> subprocess.CompletedProcess[str]:
