@@ -33,10 +33,10 @@ object with `speedup_time_to_target_vs_trl` (TRL's time / ours).
     python bench/vs_trl.py --smoke   # (or --quick) 2 steps each, the last evaluated on 8 problems
 
 `--smoke` (tests/test_bench_smoke.py) never runs bench/setup_trl.sh: it runs our side for
-real and, when `.venv-trl` is missing (no `.venv-trl/.setup_trl` stamp: the default test
-environment has none), only compiles bench/_trl_contender.py and reports
-`"trl": "skipped: .venv-trl missing"` with no speedup. With `.venv-trl` set up, the TRL
-side runs too (2 steps). The JSON line is bench/_record.py's.
+real and, when `.venv-trl` is missing (the default test environment has none), only
+compiles bench/_trl_contender.py and reports `"trl": "skipped: .venv-trl missing"` (or
+`...not set up to the end` without setup_trl.sh's stamp) with no speedup. With `.venv-trl`
+set up, the TRL side runs too (2 steps). The JSON line is bench/_record.py's.
 """
 
 from __future__ import annotations
@@ -68,22 +68,22 @@ log = logging.getLogger("bench.vs_trl")
 # ---------------------------------------------------------------------------------------
 # environment
 # ---------------------------------------------------------------------------------------
-def _in_trl_venv(venv: Path = TRL_VENV) -> bool:
-    return Path(sys.prefix).resolve() == venv.resolve()
+def _in_trl_venv() -> bool:
+    return Path(sys.prefix).resolve() == TRL_VENV.resolve()
 
 
-def _trl_venv_ready(venv: Path = TRL_VENV) -> bool:
+def _trl_venv_ready() -> bool:
     """Set up by bench/setup_trl.sh to the end (it writes its stamp last)."""
-    return (venv / "bin" / "python").exists() and (venv / ".setup_trl").exists()
+    return (TRL_VENV / "bin" / "python").exists() and (TRL_VENV / ".setup_trl").exists()
 
 
-def _reexec_in_trl_venv(argv: list[str], setup: bool, venv: Path = TRL_VENV) -> None:
-    if _in_trl_venv(venv):
+def _reexec_in_trl_venv(argv: list[str], setup: bool) -> None:
+    if _in_trl_venv():
         return
-    if setup or not (venv / "bin" / "python").exists():
-        log.info("setting up %s (bench/setup_trl.sh)", venv)
+    if setup or not (TRL_VENV / "bin" / "python").exists():
+        log.info("setting up %s (bench/setup_trl.sh)", TRL_VENV)
         subprocess.run(["bash", str(ROOT / "bench" / "setup_trl.sh")], check=True, stdout=sys.stderr)
-    py = str(venv / "bin" / "python")
+    py = str(TRL_VENV / "bin" / "python")
     os.environ[_record.COMMAND_ENV] = _record.command()  # the command the user ran, not the re-exec
     os.execv(py, [py, str(Path(__file__).resolve()), *argv])
 
