@@ -88,3 +88,66 @@ def test_a_trainer_that_never_answers_stops_the_rollout_side_with_its_address() 
     with pytest.raises(TrainerLostError, match=r"no trainer answered at tcp://10.9.9.9:5555 within \d+s"):
         asyncio.run(main())
     assert time.monotonic() - t0 < 30
+
+
+def _real_controller(sent: list):
+    from areal_like.core.staleness import StalenessGate
+    from areal_like.core.types import SamplingParams
+    from areal_like.orchestration.dataset import PromptSource
+    from areal_like.orchestration.rollout_controller import RolloutController
+
+    async def never(*_a, **_k):
+        raise AssertionError("nothing runs before the trainer has spoken")
+
+    async def send(msg) -> None:
+        sent.append(msg)
+
+    return RolloutController(gate=StalenessGate(8, 2, max_concurrent=8),
+                             source=PromptSource([{"prompt": "1+1", "answer": "2"}], seed=0), group_size=4,
+                             sampling=SamplingParams(max_tokens=4), run_episode=never, score=never, send=send,
+                             apply_weights=never)
+
+
+def test_no_trainer_ever_stops_the_real_controller_waiting_for_its_first_announcement() -> None:
+    """`RolloutController.run` waits on its announcements queue, which `stop()` does not wake:
+    the bridge ends that wait itself (issue #31 item 3), over a real control socket nobody
+    publishes on."""
+    import socket
+
+    from areal_like.orchestration.channels import ControlSubscriber
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sent: list = []
+    sub = ControlSubscriber(f"tcp://127.0.0.1:{port}")
+
+    async def main() -> None:
+        await drive_rollout(_real_controller(sent), sub, peer_timeout_s=1.0, peer_dead_s=0.5,
+                            address=f"tcp://127.0.0.1:{port}")
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TrainerLostError, match=f"no trainer answered at tcp://127.0.0.1:{port}"):
+            asyncio.run(main())
+    finally:
+        sub.close()
+    assert time.monotonic() - t0 < 5 and sent == []
+
+
+def test_a_trainer_gone_while_its_first_weights_are_awaited_stops_the_real_controller() -> None:
+    """The trainer spoke once (version 2: this side must load its weights before it admits
+    anything) and went silent: the controller waits on the queue for the weights, and is
+    ended too."""
+    sent: list = []
+    sub = FakeSubscriber()
+    sub.q.put(VersionAnnouncement(version=2, run_id="r", epoch=0))
+
+    async def main() -> None:
+        await drive_rollout(_real_controller(sent), sub, peer_timeout_s=1.0, peer_dead_s=0.5)
+
+    t0 = time.monotonic()
+    with pytest.raises(TrainerLostError, match="announced nothing"):
+        asyncio.run(main())
+    assert time.monotonic() - t0 < 5
+    assert [m.kind for m in sent] == ["stats"]  # its hello, nothing after

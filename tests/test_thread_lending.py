@@ -55,6 +55,25 @@ def test_the_lender_borrows_while_the_other_pool_is_idle_and_gives_back(tmp_path
         torch.set_num_threads(before)
 
 
+def test_no_run_folder_on_this_machine_means_no_ledger_and_no_folder_made(tmp_path) -> None:
+    """`areal-like rollout` on a second machine (issue #31 item 3): the trainer's run folder
+    is not there, so nothing lends, nothing is created, and a ledger that cannot be opened
+    lends nothing instead of failing the server."""
+    from areal_like.core.config import load_config
+    from areal_like.orchestration.pools import thread_lending
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [f"run.dir={tmp_path / 'run'}"])
+    assert thread_lending(cfg) is None
+    (tmp_path / "run").mkdir()
+    assert thread_lending(cfg)["path"] == str(tmp_path / "run" / ".cores")
+
+    alone = CoreLedger(tmp_path / "gone" / ".cores", "rollout", 0)
+    assert not alone.shared and not (tmp_path / "gone").exists()
+    alone.working(False)
+    assert alone.idle_for("train") == 0.0
+    alone.close()
+
+
 @pytest.mark.parametrize("lend", [True, False])
 def test_a_run_borrows_threads_only_when_lending_is_on(tiny_model_dir, tmp_path, lend) -> None:
     """The quickstart shape: each pool records the seconds it ran on borrowed threads."""

@@ -8,6 +8,10 @@ ops on that pool's threads too; it gives them back at its next check once the po
 work again. A pool no process of this machine has written (the other side runs
 elsewhere) never lends anything.
 
+The file lives in the trainer's run folder; a process started where that folder does not
+exist gets no ledger from `pools.thread_lending` (nothing of the run to lend to on this
+machine), and one that cannot open the file keeps a private ledger and lends nothing.
+
 Slots: rollout servers 0..31, train ranks 32..63. Eight bytes each, written whole (an
 aligned double), read without locks: a torn read is impossible on the machines we run on,
 and a stale one costs one check's worth of lending.
@@ -15,6 +19,7 @@ and a stale one costs one check's worth of lending.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -22,6 +27,8 @@ import time
 from pathlib import Path
 
 __all__ = ["CoreLedger", "ThreadLender"]
+
+log = logging.getLogger(__name__)
 
 _SLOTS = 64
 _BASE = {"rollout": 0, "train": 32}
@@ -34,13 +41,23 @@ class CoreLedger:
         self.path = Path(path)
         self.slot = _BASE[pool] + index
         self.pool = pool
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.shared = True
+        """False when the file could not be opened: this process keeps a private ledger,
+        which no other process sees (it lends and borrows nothing)."""
         try:
-            if os.fstat(fd).st_size < _SLOTS * 8:
-                os.ftruncate(fd, _SLOTS * 8)
-            self._map = mmap.mmap(fd, _SLOTS * 8)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:  # (its folder is gone or read-only): lending is a speed-up, never a reason to fail
+            log.warning("thread lending off for %s %d: cannot open the core ledger %s (%s)", pool, index, self.path,
+                        e.strerror or e)
+            self.shared = False
+            self._map = mmap.mmap(-1, _SLOTS * 8)
+        else:
+            try:
+                if os.fstat(fd).st_size < _SLOTS * 8:
+                    os.ftruncate(fd, _SLOTS * 8)
+                self._map = mmap.mmap(fd, _SLOTS * 8)
+            finally:
+                os.close(fd)
         self._state: bool | None = None
 
     def working(self, busy: bool) -> None:

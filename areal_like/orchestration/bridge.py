@@ -51,10 +51,22 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
     With the data channel's `pusher`, the announcements' acknowledgements release its
     frames, it resends what a reconnect may have lost, and a normal stop waits up to
     `flush_s` for the last frames (the final report) to be acknowledged.
+
+    Giving up stops the controller; one that has not begun its schedule yet (still
+    waiting for its first announcement, or for the weights that one named: a queue `get`
+    that `stop()` does not wake) is cancelled instead, as it has nothing to wind down.
     """
     loop = asyncio.get_running_loop()
     stop = threading.Event()
     lost: list[str] = []
+    gave_up: list[bool] = []
+    run_task: asyncio.Future[None] = asyncio.ensure_future(controller.run())
+
+    def give_up() -> None:
+        controller.stop()
+        if not run_task.done() and not _schedule_running(loop):
+            gave_up.append(True)
+            run_task.cancel()
 
     def listen() -> None:
         started = time.monotonic()
@@ -86,7 +98,7 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
                 if peer_timeout_s is not None and now - started > peer_timeout_s:
                     lost.append(f"no trainer answered at {address} within {now - started:.0f}s "
                                 "(transport.peer_timeout_s): check transport.control_addr and that the trainer runs")
-                    loop.call_soon_threadsafe(controller.stop)
+                    loop.call_soon_threadsafe(give_up)
                     return
                 continue
             silent = now - last
@@ -97,26 +109,41 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
             if peer_timeout_s is not None and silent > peer_timeout_s:
                 lost.append(_lost_message(silent))
                 log.error("no announcement from the trainer for %.0fs (transport.peer_timeout_s): stopping", silent)
-                loop.call_soon_threadsafe(controller.stop)
+                loop.call_soon_threadsafe(give_up)
                 return
 
     t = threading.Thread(target=listen, name="control-sub", daemon=True)
     t.start()
     try:
-        await controller.run()
+        try:
+            await run_task
+        except asyncio.CancelledError:
+            if gave_up and lost:  # we cancelled it (not a Ctrl-C): the trainer is lost
+                raise TrainerLostError(lost[0]) from None
+            raise
         if pusher is not None and not lost:
             left = await asyncio.to_thread(pusher.flush, flush_s)
             if left:
                 log.warning("%d data frames were not acknowledged by the trainer within %.0fs of stopping", left, flush_s)
+    except TrainerLostError:
+        raise
     except Exception as e:
         if lost:
             raise TrainerLostError(lost[0]) from e
         raise
     finally:
         stop.set()
+        if not run_task.done():  # drive_rollout itself was cancelled before the controller began
+            run_task.cancel()
         await asyncio.to_thread(t.join, 2.0)
     if lost:
         raise TrainerLostError(lost[0])
+
+
+def _schedule_running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the controller has begun its schedule: its control task exists once the
+    first announcement (and the weights it names) are through (`RolloutController.run`)."""
+    return any(t.get_name() == "rollout-control" and not t.done() for t in asyncio.all_tasks(loop))
 
 
 def _lost_message(silent_s: float) -> str:

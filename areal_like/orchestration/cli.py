@@ -158,10 +158,17 @@ def rollout(
     cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
     _console(cfg)
     _preflight(cfg, "rollout")
-    if Path(cfg.run.dir).is_dir():  # the trainer's machine: its run folder keeps this side's lines too
+    here = Path(cfg.run.dir).is_dir()
+    if here:  # the trainer's machine: its run folder keeps this side's lines too
         from areal_like.orchestration.console import attach_run_log
 
         attach_run_log(cfg.run.dir)
+    # (without it: a machine of its own; nothing is written there, thread lending is off)
+    t = cfg.transport
+    typer.secho(f"rollout side: starting {cfg.rollout.num_servers} server(s), then meeting the trainer at data "
+                f"{t.data_addr}  control {t.control_addr} (waiting up to transport.peer_timeout_s={t.peer_timeout_s:g}s"
+                f"{'' if here else f'; {cfg.run.dir} is not on this machine: log lines on this console only'})",
+                fg=typer.colors.CYAN)
     try:
         out = RolloutSide(cfg).run()
     except ConfigError as e:

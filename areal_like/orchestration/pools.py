@@ -148,12 +148,19 @@ def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
     """Where the pools' core ledger lives and how many threads each pool may borrow
     (`cluster.lend_idle_threads`, docs/design.md §10.16), or None: only CPU pools on one
     machine (no `cluster.ray_address`) lend. With `cluster.colocate` they always do, and
-    the train ranks take the servers' threads as soon as the servers hold (no grace)."""
+    the train ranks take the servers' threads as soon as the servers hold (no grace).
+
+    The ledger is a file in the trainer's run folder, so a pool lends only when that
+    folder exists on this machine: `areal-like rollout` on a machine of its own (or
+    started before the trainer on the same one) lends nothing and creates no run folder
+    (a folder with a ledger in it would make the trainer refuse run.dir as a finished run's)."""
     c = cfg.cluster
     engine = cfg.rollout.engine
     if (not (c.lend_idle_threads or c.colocate) or c.ray_address or engine.type != "embedded"
             or getattr(engine, "device", "cpu") != "cpu" or cfg.train.backend.device != "cpu"
             or cfg.train.backend.type != "torch"):
+        return None
+    if not Path(cfg.run.dir).is_dir():  # no trainer of this run here (yet): nobody to lend to
         return None
     backend = cfg.train.backend
     rollout_threads = cfg.rollout.num_servers * cfg.rollout.server_threads
