@@ -62,23 +62,31 @@ class CpuMonitor:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _own(self) -> float:
-        if self.root_pid is not None:
-            return self._own_tree()
-        for p in psutil.process_iter(["pid"]):
+        """CPU seconds of our processes so far. Each process counts itself and the children it
+        reaped (`children_*`); a process that is gone keeps its last reading unless its
+        parent is still ours (then its time is in the parent's `children_*`)."""
+        procs = self._session() if self.root_pid is None else self._tree()
+        live: set[Any] = set()
+        for p in procs.values():
             try:
-                if os.getsid(p.pid) != self.sid:
-                    continue
-                t = p.cpu_times()
-                self._cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
+                with p.oneshot():
+                    t, key, ppid = p.cpu_times(), (p.pid, p.create_time()), p.ppid()
             except (psutil.Error, ProcessLookupError, PermissionError):
                 continue
-        # Processes that exited keep their last reading, so the sum never goes back.
-        return sum(self._cpu.values())
+            live.add(key)
+            total = t.user + t.system + t.children_user + t.children_system
+            self._cpu[key] = (max(self._cpu.get(key, (0.0, 0))[0], total), ppid)
+        live_pids = {k[0] for k in live}
+        for key in [k for k in self._cpu if k not in live]:
+            value, ppid = self._cpu.pop(key)
+            if ppid not in live_pids:  # re-parented or reaped by someone else: keep its time
+                self._gone_s += value
+        return self._gone_s + sum(v for v, _ in self._cpu.values())
 
-    def _own_tree(self) -> float:
-        """CPU seconds of the tree so far. Each process counts itself and the children it
-        reaped (`children_*`); a process that is gone keeps its last reading unless its
-        parent is still in the tree (then its time is in the parent's `children_*`)."""
+    def _session(self) -> dict[int, psutil.Process]:
+        return {p.pid: p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == self.sid}
+
+    def _tree(self) -> dict[int, psutil.Process]:
         assert self.root_pid is not None
         procs: dict[int, psutil.Process] = {}
         try:
@@ -95,22 +103,7 @@ class CpuMonitor:
             for p in psutil.process_iter(["pid"]):
                 if p.pid not in procs and _sid(p.pid) in self._sids:
                     procs[p.pid] = p
-        live: set[Any] = set()
-        for p in procs.values():
-            try:
-                with p.oneshot():
-                    t, key, ppid = p.cpu_times(), (p.pid, p.create_time()), p.ppid()
-            except (psutil.Error, ProcessLookupError, PermissionError):
-                continue
-            live.add(key)
-            total = t.user + t.system + t.children_user + t.children_system
-            self._cpu[key] = (max(self._cpu.get(key, (0.0, 0))[0], total), ppid)
-        live_pids = {k[0] for k in live}
-        for key in [k for k in self._cpu if k not in live]:
-            value, ppid = self._cpu.pop(key)
-            if ppid not in live_pids:  # re-parented or reaped outside the tree: keep its time
-                self._gone_s += value
-        return self._gone_s + sum(v for v, _ in self._cpu.values())
+        return procs
 
     def _loop(self) -> None:
         t0, sys0, own0 = time.time(), _busy(psutil.cpu_times()), self._own()
