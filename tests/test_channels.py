@@ -257,3 +257,35 @@ def test_a_newer_trainer_epoch_releases_the_older_epochs_frames() -> None:
         assert push.unacked == 0  # the old epoch's frame will never be taken: not kept
     finally:
         push.close(), pull.close()
+
+
+def test_a_storm_of_refused_frames_is_counted_whole_and_said_once_then_summed(caplog) -> None:
+    """Issue #31 item 4: each junk frame used to print its own WARNING. Now the first of each
+    reason is said at once, the rest are summed up at most every `every_s`, and every one
+    is in `refused_frames` (the summary's)."""
+    import logging
+
+    from areal_like.core.wire import encode
+
+    pull = DataPuller("tcp://127.0.0.1:0")
+    pull.notes.every_s = 1.0
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(pull.addr)
+    with caplog.at_level(logging.WARNING, logger="areal_like.orchestration.channels"):
+        for i in range(40):
+            raw.send(b"junk %d" % i)
+        raw.send_multipart([b"a", b"b"])  # two parts: junk as well
+        raw.send(encode(VersionAnnouncement(version=0)))  # a valid message of the control channel
+        deadline = time.time() + 5
+        while pull.refused < 42 and time.time() < deadline:
+            pull.recv(0.05)
+        said_at_once = [r.getMessage() for r in caplog.records]
+        time.sleep(1.3)  # the receiver thread's idle poll says what is due
+        summed = [r.getMessage() for r in caplog.records][len(said_at_once):]
+    raw.close(0), pull.close()
+    assert pull.refused_frames == {"junk: not a frame of this protocol": 41,
+                                   "a message that does not belong on this channel": 1}, pull.refused_frames
+    assert len(said_at_once) == 2, said_at_once  # one per reason
+    assert "junk 0" not in said_at_once[0] and "refused_frames" in said_at_once[0]
+    assert "VersionAnnouncement" in said_at_once[1]
+    assert len(summed) == 1 and "refused 40 more frames" in summed[0] and "42 in all" in summed[0], summed

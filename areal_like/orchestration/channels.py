@@ -26,6 +26,11 @@ so the two can start in either order. Port 0 picks a free port (one machine).
 With a `secret`, every frame is prefixed by an HMAC-SHA256 of its payload, and
 frames without a valid one are refused and counted; without a secret, binding
 beyond loopback is refused.
+
+Refused frames (junk, a bad HMAC, a message that does not belong on the channel) are
+counted by reason (`refused_frames`, which the trainer's summary reports) and said on
+the console without flooding it (`RefusalNotes`: the first of each reason at once,
+then at most one line per 30 s with how many more).
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ from typing import Any
 import zmq
 from pydantic import BaseModel
 
+from areal_like.core.types import RolloutStats, TrajectoryGroup, VersionAnnouncement
 from areal_like.core.wire import WireError, decode, encode
 
-__all__ = ["DataPusher", "DataPuller", "ControlPublisher", "ControlSubscriber", "ChannelError"]
+__all__ = ["DataPusher", "DataPuller", "ControlPublisher", "ControlSubscriber", "ChannelError", "RefusalNotes"]
 
 _MAX_SENDERS = 16
 """Acknowledgement state kept for at most this many (sender, epoch) pairs (newest first)."""
@@ -58,6 +64,78 @@ class ChannelError(RuntimeError):
     """A channel could not be set up (bad address, refused exposure)."""
 
 
+class RefusalNotes:
+    """Refused frames, counted by reason and said without flooding the console: the
+    first frame of each reason at once (with its details), then at most one line per
+    `every_s` with how many more were refused since (`tick` says a due line while no
+    frame comes, `flush` what is left unsaid). `counts()` is for the run's summary.
+    Thread-safe: a receiver thread adds, the trainer reads."""
+
+    def __init__(self, what: str, *, every_s: float = 30.0, level: int = logging.WARNING,
+                 logger: logging.Logger | None = None) -> None:
+        self.what = what
+        self.every_s = every_s
+        self.level = level
+        self.log = logger or log
+        self._counts: dict[str, int] = {}
+        self._unsaid: dict[str, int] = {}
+        self._said_at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def add(self, reason: str, detail: str | None = None) -> None:
+        """One refused frame; `reason` is its summary key, `detail` the first line's text."""
+        with self._lock:
+            first = reason not in self._counts
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+            if first:
+                line: str | None = (f"refused {detail or f'a frame on {self.what}: {reason}'}; dropped, counted in "
+                                    f"the summary's refused_frames (more are summed up here at most every "
+                                    f"{self.every_s:.0f}s)")
+            else:
+                self._unsaid[reason] = self._unsaid.get(reason, 0) + 1
+                line = self._due(time.monotonic(), force=False)
+        if line is not None:
+            self.log.log(self.level, "%s", line)
+
+    def tick(self) -> None:
+        """Say the refusals not said yet, if the last line is `every_s` old."""
+        with self._lock:
+            line = self._due(time.monotonic(), force=False) if self._unsaid else None
+        if line is not None:
+            self.log.log(self.level, "%s", line)
+
+    def flush(self) -> None:
+        """Say whatever is not said yet (at close)."""
+        with self._lock:
+            line = self._due(time.monotonic(), force=True) if self._unsaid else None
+        if line is not None:
+            self.log.log(self.level, "%s", line)
+
+    def _due(self, now: float, force: bool) -> str | None:
+        if not self._unsaid or (not force and now - self._said_at < self.every_s):
+            return None
+        n = sum(self._unsaid.values())
+        parts = ", ".join(f"{k}: {v}" for k, v in sorted(self._unsaid.items()))
+        since = now - self._said_at
+        self._unsaid.clear()
+        self._said_at = now
+        return (f"refused {n} more frame{'s' if n != 1 else ''} on {self.what} in the last {since:.0f}s ({parts}); "
+                f"{sum(self._counts.values())} in all")
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+def _refusal_key(error: str) -> str:
+    """The summary's name for why `_parse` refused a frame (its message has the details)."""
+    if "HMAC" in error:
+        return "a frame without a valid HMAC for transport.secret"
+    if "exceeds the limit" in error:
+        return "a frame over transport.max_frame_mb"
+    return "junk: not a frame of this protocol"
+
+
 def _is_loopback(addr: str) -> bool:
     host = addr.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
@@ -66,11 +144,25 @@ def _is_loopback(addr: str) -> bool:
 class _Channel:
     sock: zmq.Socket
 
-    def __init__(self, secret: str | None, max_bytes: int) -> None:
+    accepts: tuple[type, ...] | None = None
+    """The message types that belong on this channel (None: any wire message)."""
+
+    def __init__(self, secret: str | None, max_bytes: int, what: str = "a channel") -> None:
         self._key = secret.encode() if secret else None
         self.max_bytes = max_bytes
         self.refused = 0
         self.last_error: str | None = None
+        self.notes = RefusalNotes(what)
+
+    @property
+    def refused_frames(self) -> dict[str, int]:
+        """Refused frames by reason (for the run's summary)."""
+        return self.notes.counts()
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self.refused += 1
+        self.last_error = detail
+        self.notes.add(reason, detail)
 
     def _frames(self, msg: BaseModel) -> list[bytes]:
         payload = encode(msg)
@@ -90,16 +182,20 @@ class _Channel:
                 if len(frames) != 1:
                     raise WireError(f"expected 1 frame part, got {len(frames)}")
                 payload = frames[0]
-            return decode(payload, max_bytes=self.max_bytes)
+            msg = decode(payload, max_bytes=self.max_bytes)
         except WireError as e:
-            self.refused += 1
-            self.last_error = str(e)
-            log.warning("refused a frame: %s", e)
+            self._refuse(_refusal_key(str(e)), f"a frame on {self.notes.what}: {e}")
             return None
+        if self.accepts is not None and not isinstance(msg, self.accepts):
+            self._refuse("a message that does not belong on this channel",
+                         f"a {type(msg).__name__} on {self.notes.what}, where it does not belong")
+            return None
+        return msg
 
     def recv(self, timeout_s: float) -> Any | None:
         """One valid message, or None on timeout or for a refused frame (counted)."""
         if not self.sock.poll(int(timeout_s * 1000)):
+            self.notes.tick()
             return None
         return self._parse(self.sock.recv_multipart())
 
@@ -158,10 +254,12 @@ class DataPuller(_Channel):
     order. `epoch` is the trainer's epoch: only frames of it are acknowledged.
     """
 
+    accepts = (TrajectoryGroup, RolloutStats)
+
     def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000,
                  epoch: int = 0, heartbeat_s: float | None = None, dead_s: float | None = None,
                  queue_max: int = 2_000) -> None:
-        super().__init__(secret, max_bytes)
+        super().__init__(secret, max_bytes, what="the data channel")
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
@@ -169,6 +267,7 @@ class DataPuller(_Channel):
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 64)
         _keepalive(self.sock, heartbeat_s, dead_s)
         self.addr = _bind(self.sock, addr, secret)
+        self.notes.what = f"the data channel ({self.addr})"
         self.epoch = epoch
         self.duplicates = 0
         self._marks: dict[tuple[str, int], _Mark] = {}
@@ -182,6 +281,7 @@ class DataPuller(_Channel):
         while not self._closing.is_set():
             try:
                 if not self.sock.poll(100):
+                    self.notes.tick()
                     continue
                 frames = self.sock.recv_multipart()
             except zmq.ZMQError as e:
@@ -233,6 +333,7 @@ class DataPuller(_Channel):
     def close(self) -> None:
         self._closing.set()
         self._thread.join(timeout=2.0)
+        self.notes.flush()
         if self._thread.is_alive():  # never close a socket another thread still uses
             log.warning("data channel receiver did not stop within 2s; leaving its socket open")
             return
@@ -263,7 +364,7 @@ class DataPusher(_Channel):
     def __init__(self, addr: str, secret: str | None = None, max_bytes: int = 256 << 20, hwm: int = 1000,
                  heartbeat_s: float | None = None, dead_s: float | None = None,
                  resend_after_s: float = 10.0, max_resends: int = 5) -> None:
-        super().__init__(secret, max_bytes)
+        super().__init__(secret, max_bytes, what="the data channel")
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
@@ -438,8 +539,10 @@ class ControlPublisher(_Channel):
 class ControlSubscriber(_Channel):
     """Rollout side of the control channel (connects)."""
 
+    accepts = (VersionAnnouncement,)
+
     def __init__(self, addr: str, secret: str | None = None) -> None:
-        super().__init__(secret, 64 << 20)
+        super().__init__(secret, 64 << 20, what=f"the control channel ({addr})")
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -1,9 +1,11 @@
 """The trainer's view of the rollout side: who may send, who is alive, who started what.
 
 One rollout controller per run and trainer epoch (docs/design.md §10.2, §10.7). Every
-data frame carries its `Origin`; `admit` refuses — logs once per sender and reason,
-counts, and never hands to the buffer — frames of another run, of an older trainer
-epoch, without an origin, or from a second controller while the accepted one lives.
+data frame carries its `Origin`; `admit` refuses — counts by reason (`refused`, the
+summary's `refused_frames`), never hands to the buffer, and says so on the console once
+per reason, then at most every 30 s with how many more (`channels.RefusalNotes`) —
+frames of another run, of an older trainer epoch, without an origin, or from a second
+controller while the accepted one lives.
 A controller silent for `transport.peer_dead_s` is declared lost at once (a new one
 may then join, or the same one may come back); after `transport.peer_timeout_s`
 without any, `check` raises and the trainer stops with a checkpoint.
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from areal_like.core.types import Origin, RolloutStats, TrajectoryGroup
+from areal_like.orchestration.channels import RefusalNotes
 
 __all__ = ["RolloutPeers"]
 
@@ -43,13 +46,14 @@ class RolloutPeers:
         self.note_every_s = note_every_s
         self.accepted: str | None = None
         """The rollout controller this epoch listens to (announced, so others stop)."""
+        self.notes = RefusalNotes("the data channel", level=logging.ERROR, logger=log)
         self.refused: dict[str, int] = {}
+        """Refused frames by reason (the summary's `refused_frames`)."""
         self.senders: dict[str, _Sender] = {}
         self.heard_at = 0.0
         self._since = time.time()
         """Start of the current wait for a (new) rollout side."""
         self._noted_at = time.time()
-        self._logged: set[tuple[str, str]] = set()
         self.joined: str | None = None
         """Set when a controller is accepted; the trainer hands it the current weights."""
 
@@ -59,11 +63,9 @@ class RolloutPeers:
         o = msg.origin
         reason = self._refusal(o)
         if reason is not None:
-            self.refused[reason.split(" (")[0]] = self.refused.get(reason.split(" (")[0], 0) + 1
-            key = (o.sender if o else "?", reason)
-            if key not in self._logged:
-                self._logged.add(key)
-                log.error("refused frames from rollout controller %s: %s; they are not counted", key[0], reason)
+            key = reason.split(" (")[0]
+            self.refused[key] = self.refused.get(key, 0) + 1
+            self.notes.add(key, f"frames from rollout controller {o.sender if o else '?'}: {reason}")
             return False
         assert o is not None
         if self.accepted is None:
@@ -106,6 +108,7 @@ class RolloutPeers:
         """Call while waiting for data: declare a silent controller lost, say how long the
         trainer has been waiting, raise past `peer_timeout_s`."""
         now = time.time()
+        self.notes.tick()
         if self.accepted is not None:
             silent = now - self.heard_at
             if silent > self.dead_s:
