@@ -118,6 +118,8 @@ class RolloutServer:
         self.model_name = model_name or "areal_like"
         self.sessions = SessionTokens(max_sessions)
         self.started_at = time.time()
+        self.weights_epoch = 0
+        """The trainer epoch of the served weights (`weight_sync.meta.newer_weights`)."""
         self.counters: dict[str, float] = {
             "http_requests": 0.0,
             "http_errors": 0.0,
@@ -328,10 +330,14 @@ class RolloutServer:
                 raise RuntimeError("this server has no weight receiver (attach_receiver was not called)")
             if rendezvous:
                 await self.join_weights(rendezvous)
+            from weight_sync.meta import newer_weights
+
             version, tensors = await asyncio.to_thread(self._receiver.receive, meta)
-            if version <= self.version:  # sent again for a restarted sibling: nothing to load
-                return self.version
+            if not newer_weights(meta, self.weights_epoch, self.version):
+                return self.version  # sent again for a restarted sibling: nothing to load
             await self.engine.update_weights(list(tensors), version)
+        if version == meta.version:  # loaded (or served already): the epoch of what is served
+            self.weights_epoch = int(meta.epoch)
         dt = time.perf_counter() - t0
         self.counters["weight_update_seconds_total"] += dt
         logger.info("received and loaded weights version %d in %.3fs", version, dt)

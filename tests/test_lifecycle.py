@@ -152,6 +152,33 @@ def test_a_second_rollout_controller_is_refused_and_stops(tmp_path) -> None:
     assert _adds_up(summary) and recs[-1]["counts_add_up"]
 
 
+def test_a_refused_rollout_controller_never_touches_the_weight_group(tmp_path) -> None:
+    """A second controller that comes while the trainer has accepted one is refused
+    before it joins the weight group: its servers never register with the trainer's
+    sender, so the real servers miss no version waiting for them."""
+    h = Harness(tmp_path, 40)
+    first = h.start(h.controller(0))
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.setdefault("summary", h.tc.run()), daemon=True)
+    runner.start()
+    deadline = time.time() + 30
+    while h.tc.peers.accepted is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert h.tc.peers.accepted is not None
+    joined: list[str] = []
+    second_ctl = h.controller(1)
+
+    async def join_weights(ann) -> None:  # noqa: ANN001
+        joined.append(ann.weight_store)
+
+    second_ctl.join_weights = join_weights
+    second = h.start(second_ctl)
+    runner.join(120)
+    assert not runner.is_alive()
+    assert "already has a rollout controller" in second.get("refused", ""), (first, second)
+    assert joined == []
+
+
 def test_a_vanished_rollout_side_is_declared_lost_and_a_new_one_finishes_the_run(tmp_path, caplog) -> None:
     h = Harness(tmp_path, 30)
     gone = h.start(h.controller(0), vanish_after_s=0.3)

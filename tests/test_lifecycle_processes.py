@@ -111,3 +111,52 @@ def _run_log(run_dir) -> str:  # noqa: ANN001
     """The trainer's INFO lines are in the run's log file (the console shows progress)."""
     p = run_dir / "run.log"
     return p.read_text(errors="replace") if p.is_file() else ""
+
+
+def _weight_sync_seconds(run_dir: Path) -> list[float]:
+    return [r["weight_sync_s"] for r in _records(run_dir) if r["kind"] == "train_step" and "weight_sync_s" in r]
+
+
+BACKENDS = {"torch": [], "megatron": ["train.backend.type=megatron", "train.backend.device=cpu",
+                                      "train.backend.tensor_parallel_size=2", "cluster.train_pool.num_cpus=2"]}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_trainer_killed_between_checkpoints_resumes_with_every_token_true(tiny_model_dir, tmp_path, backend) -> None:
+    """`kill -9` of the trainer two steps after its last checkpoint, then `train --resume`
+    while the rollout side keeps running: the servers still hold the dead trainer's
+    newer weights, under version numbers the resumed trainer will reuse. Every server must
+    load the resumed trainer's weights before it generates again (the epoch, not the
+    number, says which is newer), nothing made with the dead trainer's weights is
+    trained, lags stay ≥ 0, no weight wait stalls, and `audit` recomputes every recorded
+    logprob under the weights of its version."""
+    run_dir = tmp_path / "run"
+    train_args, rollout_args = _split_args(tiny_model_dir, run_dir, "train.total_steps=14",
+                                           "run.checkpoint_every_n_steps=4", "rollout.num_servers=2",
+                                           "train.lr=3e-3",  # weights that move: a wrong version shows
+                                           *BACKENDS[backend])
+    trainer = Launch(train_args, tmp_path / "train1.log", _env())
+    rollout = Launch(rollout_args, tmp_path / "rollout.log", _env())
+    launches = [trainer, rollout]
+    try:
+        _poll("the checkpoint at v4", lambda: (run_dir / "checkpoints" / "v000004" / "COMPLETE").is_file(), trainer)
+        _poll("two steps past it", lambda: max(_steps(run_dir), default=0) >= 6, trainer)
+        os.killpg(trainer.p.pid, signal.SIGKILL)  # between checkpoints: the servers are ahead of v4
+        trainer.wait(timeout=60)
+        trainer2 = Launch([*train_args, "--resume"], tmp_path / "train2.log", _env())
+        launches.append(trainer2)
+        rc_t, out_t = trainer2.wait(timeout=400)
+        rc_r, out_r = rollout.wait(timeout=120)
+    finally:
+        for launch in launches:
+            launch.kill()
+    assert rc_t == 0, out_t[-4000:]
+    assert rc_r == 0, out_r[-4000:]
+    recs = [r for r in _records(run_dir) if r["kind"] == "train_step" and not r["skipped"]]
+    assert all(r["max_version_lag"] >= 0 for r in recs), [r["max_version_lag"] for r in recs]
+    assert max(_weight_sync_seconds(run_dir), default=0.0) < 2.0, _weight_sync_seconds(run_dir)
+    for word in ("NotAMemberError", "not ready within", "nothing sent", "still serving"):
+        assert word not in out_t + out_r + _run_log(run_dir), word
+    audit = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "audit", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True, env=_env(), timeout=600)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]

@@ -85,7 +85,8 @@ def test_killed_server_mid_run_loses_no_episode(tiny_model_dir) -> None:
             if batch is not None:
                 buf.mark_trained(batch)
                 v += 1
-            meta = WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="-")
+            # a meta only with a new version, as the trainer announces one only with a transfer
+            meta = WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="-") if batch else None
             ctl.announcements.put_nowait(VersionAnnouncement(version=v, consumed=buf.consumed, weights=meta,
                                                              dropped=buf.dropped_sent, stop=v >= 4))
         await task

@@ -225,6 +225,10 @@ class DistWeightSender(WeightSender):
         """Receivers expected at the next transfer: current members and new registrations."""
         self._incarnations: dict[str, str] = {}
         """Member id -> the receiver object's random id; a change means the engine restarted."""
+        self._had_receivers = False
+        self.first_receivers_s = min(5.0, self.timeout_s)
+        """How long a sender that never had a receiver waits for the first ones to join
+        and be ready (a resumed trainer's first version), instead of sending to nobody."""
         self._joins_seen = 0
         self._leaves_seen = 0
         self._layout: FlatLayout | None = None
@@ -394,15 +398,30 @@ class DistWeightSender(WeightSender):
         """
         deadline = time.monotonic() + self.timeout_s
         self._read_registrations()
-        waited_for = set(self._known)
         ready: dict[str, str] = {}  # receiver id -> incarnation
 
-        def all_known_ready() -> bool:
-            waited_for.difference_update(self._read_registrations())  # one that left is not waited for
+        def read_ready() -> None:
             n = self._ctl.add(f"x{seq}/ready/n", 0)
             for i in range(len(ready) + 1, n + 1):
                 rid, _, incarnation = self._ctl.get(f"x{seq}/ready/{i}").decode().partition(" ")
                 ready[rid] = incarnation
+
+        if not self._known and not self._had_receivers:
+            # A sender that never had a receiver (a trainer just started or resumed, whose
+            # store the rollout side learns from this very announcement): give receivers a
+            # moment to join and be ready, rather than send to nobody and leave them
+            # waiting, NotAMemberError, for the next version.
+            def joined_and_ready() -> bool:
+                self._read_registrations()
+                read_ready()
+                return bool(self._known) and set(self._known) <= ready.keys()
+
+            _poll(joined_and_ready, min(deadline, time.monotonic() + self.first_receivers_s))
+        waited_for = set(self._known)
+
+        def all_known_ready() -> bool:
+            waited_for.difference_update(self._read_registrations())  # one that left is not waited for
+            read_ready()
             return waited_for <= ready.keys()
 
         if not _poll(all_known_ready, deadline):
@@ -418,6 +437,7 @@ class DistWeightSender(WeightSender):
             log.info("weight receivers %s restarted; the group will be rebuilt", restarted)
             self._drop_group()
         self._incarnations = {r: ready[r] for r in members}
+        self._had_receivers |= bool(members)
         return members
 
     def _read_registrations(self) -> set[str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ __all__ = [
     "check_spec",
     "Slot",
     "FlatLayout",
+    "newer_weights",
 ]
 
 _CHECKSUM_TAG = b"areal_like.weight_sync/2\n"
@@ -73,6 +75,14 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def newer_weights(meta: Any, epoch: int, version: int) -> bool:
+    """Whether `meta` names weights to load over the ones served, `version` of trainer
+    `epoch`. A newer epoch always wins, even with a lower number: a trainer resumed from
+    its checkpoint reuses the numbers its dead predecessor reached, and the served
+    weights of that number are not its own. Within an epoch, only a higher version."""
+    return (int(getattr(meta, "epoch", 0)), int(meta.version)) > (epoch, version)
 
 
 class WeightSyncError(RuntimeError):

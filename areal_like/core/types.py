@@ -492,6 +492,10 @@ class WeightUpdateMeta(_Strict):
     version: int = Field(ge=0)
     transport: Literal["dist", "disk"]
     tensors: list[TensorMeta]
+    epoch: int = Field(0, ge=0)
+    """The trainer epoch that sent it: a version number names one set of weights only
+    within an epoch (a resumed trainer reuses the numbers its dead predecessor reached),
+    so a receiver loads any version of a newer epoch, even a lower number."""
     checksum: str
     """Hex digest over names, dtypes, shapes and bytes; verified before activation."""
     bucket_bytes: int = Field(0, ge=0)

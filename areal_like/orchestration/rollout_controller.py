@@ -70,7 +70,6 @@ class RolloutController:
         send: Callable[[BaseModel], Awaitable[None]],
         apply_weights: Callable[[WeightUpdateMeta], Awaitable[int]],
         join_weights: Callable[[VersionAnnouncement], Awaitable[None]] | None = None,
-        wants_weights: Callable[[], bool] | None = None,
         hold_servers: Callable[[bool], Awaitable[None]] | None = None,
         counters: Callable[[], RolloutCounters] = RolloutCounters,
         eval_rows: list[dict[str, Any]] | None = None,
@@ -92,9 +91,6 @@ class RolloutController:
         self.send = send
         self.apply_weights = apply_weights
         self.join_weights = join_weights
-        self.wants_weights = wants_weights
-        """True while a restarted server waits for the version the others serve: a meta of
-        that same version (the trainer sends it again) is applied too."""
         self.hold_servers = hold_servers
         """`cluster.colocate`: pause (True) or resume (False) every server, for the trainer's step."""
         self._held = 0
@@ -263,6 +259,7 @@ class RolloutController:
         ann = await self.announcements.get()
         self._incarnation = ann.version
         self.run_id, self.epoch = ann.run_id, ann.epoch
+        self._refuse_if_another(ann)  # before the weight group: a refused side must not join it
         if self.join_weights is not None:
             await self.join_weights(ann)
         if ann.data_position is not None:
@@ -303,17 +300,17 @@ class RolloutController:
             return  # an older trainer incarnation still publishing: not ours to follow
         if ann.epoch > self.epoch:
             await self._rebase(ann)
-        if ann.rollout_id is not None and ann.rollout_id != self.sender:
-            raise RolloutRefused(f"the trainer of run {ann.run_id} already has a rollout controller ({ann.rollout_id}); "
-                                 "one rollout controller per run: stop the other one first, or point this one at "
-                                 "another trainer")
+        self._refuse_if_another(ann)
         self.gate.on_trainer_counts(ann.consumed, ann.dropped, ann.sent_base)
         if self._held and (not ann.hold or ann.stop):
             await self._hold(0)  # first: a server that slept for the step must be awake to load weights
         meta = ann.weights
-        again = meta is not None and meta.version == self.loaded_version and self.wants_weights is not None \
-            and self.wants_weights()
-        if meta is not None and (meta.version > self.loaded_version or again):
+        again = meta is not None and meta.version == self.loaded_version
+        # Every announced transfer is taken part in, the version served included (a resend
+        # for a restarted server, or a feed that crossed a load): the sender waits for its
+        # known receivers, up to weight_sync.timeout_s, and one that skips a transfer held
+        # the trainer's next publish for that long. The servers receive it and load nothing.
+        if meta is not None and meta.version >= self.loaded_version:
             try:
                 version = await self.apply_weights(meta)
             except NoServerAvailableError as e:  # the servers died with the update: the run ends
@@ -333,6 +330,12 @@ class RolloutController:
             self._start_eval(self.loaded_version)  # the final version is always evaluated
             self.stop()
         self._wake.set()
+
+    def _refuse_if_another(self, ann: VersionAnnouncement) -> None:
+        if ann.rollout_id is not None and ann.rollout_id != self.sender:
+            raise RolloutRefused(f"the trainer of run {ann.run_id} already has a rollout controller ({ann.rollout_id}); "
+                                 "one rollout controller per run: stop the other one first, or point this one at "
+                                 "another trainer")
 
     async def _hold(self, number: int) -> None:
         """`cluster.colocate`: the trainer wants the devices for a step (`number` > 0):

@@ -52,6 +52,8 @@ class RolloutSide:
         self._rates = _Rates()
         self._weights_lock = asyncio.Lock()
         self._version = 0
+        self._weights_epoch = 0
+        """The trainer epoch of `_version` (a newer one's lower numbers replace it)."""
         self._lagging: set[str] = set()
         """Servers that missed the version the others serve: out of rotation until they
         receive a later one (they must not start episodes on older weights)."""
@@ -120,7 +122,6 @@ class RolloutSide:
                 send=make_sender(pusher),
                 apply_weights=self.apply_weights,
                 join_weights=self.join_weights,
-                wants_weights=lambda: bool(self.pool.waiting),
                 hold_servers=self.pool.hold,
                 counters=self.counters,
                 eval_rows=self._eval_rows(),
@@ -245,6 +246,8 @@ class RolloutSide:
                     self._lagging.discard(name)
                     if name not in self.manager.server_names:
                         self.manager.add_server(self.pool._adapter(name), name=name)
+            if meta.epoch != self._weights_epoch:  # a resumed trainer: its numbers start again
+                self._weights_epoch, self._version = meta.epoch, -1
             self._version = max(self._version, *ok.values())
         return self._version
 

@@ -441,9 +441,8 @@ class TrainerController:
         that lives with the weights (rank 0's sender) takes them itself; otherwise they
         are read here and given to it."""
         own = getattr(self.weights, "send_current", None)
-        if own is not None:
-            return own(version)
-        return self.weights.send(version, self.trainer.named_weights())
+        meta = own(version) if own is not None else self.weights.send(version, self.trainer.named_weights())
+        return meta.model_copy(update={"epoch": self.peers.epoch})
 
     def _while_waiting(self, v: int) -> None:
         """No batch yet: keep the rollout side fed and check that it is alive."""
@@ -515,8 +514,8 @@ class TrainerController:
         if r is not None and (r.loaded_version >= v or self.peers.delivered(self.peers.accepted) > 0):
             return
         now = time.time()
-        if now - self._fed_at < every_s:
-            return
+        if now - max(self._fed_at, self._sent_at) < every_s:
+            return  # a version went out just now (the resumed one, a publish): it reaches them
         self._fed_at = now
         self.last_meta = self._send_weights(v)
         self._sent_at = time.time()

@@ -696,6 +696,8 @@ class VLLMEngine:
                 )
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self._version = 0
+        self._weights_epoch = 0
+        """The trainer epoch of the loaded weights (a resumed trainer's lower numbers load)."""
         self._open = asyncio.Event()
         self._open.set()
         self._lock = asyncio.Lock()
@@ -846,7 +848,7 @@ class VLLMEngine:
         names or shapes this model does not have) raises `WeightSyncError`
         (`NotAMemberError` when no worker was in the group) and leaves the engine
         serving its old version; only then is nothing loaded on any worker."""
-        from weight_sync.meta import NotAMemberError, WeightSyncError
+        from weight_sync.meta import NotAMemberError, WeightSyncError, newer_weights
 
         version = int(meta.version)
         args = (meta.model_dump(mode="json"), rendezvous or "", name, float(timeout_s))
@@ -876,7 +878,7 @@ class VLLMEngine:
                     await self._guard(self._llm.collective_rpc("areal_drop_received"))
                 raise WeightSyncError(str(e)) from None
 
-        if version <= self._version:
+        if not newer_weights(meta, self._weights_epoch, self._version):
             # A version this engine serves already, sent again for a restarted sibling:
             # take part in the transfer (every member must), load nothing, keep serving.
             try:
@@ -890,6 +892,7 @@ class VLLMEngine:
             await self._guard(self._llm.collective_rpc("areal_load_received", args=(version,)))
 
         await self._swap(version, load)
+        self._weights_epoch = int(meta.epoch)
         return version
 
     async def _swap(self, version: int, load: Callable[[], Awaitable[None]]) -> None:
