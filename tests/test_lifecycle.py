@@ -199,6 +199,49 @@ def test_a_vanished_rollout_side_is_declared_lost_and_a_new_one_finishes_the_run
     assert summary["cancelled"] > 0  # what the vanished one started and never delivered
 
 
+class _StuckWeights(FakeWeights):
+    """A broadcast that waits for receivers that died with their rollout side: `wait`
+    never finishes (as the real sender's wait for known receivers, up to timeout_s)
+    until the trainer says they are gone."""
+
+    def __init__(self) -> None:
+        self.stuck = True
+        self.forgotten_at: float | None = None
+
+    def wait(self, timeout=None):  # noqa: ANN001
+        if not self.stuck:
+            return None
+        time.sleep(timeout or 0)
+        raise TimeoutError(f"weight transfer still running after {timeout}s")
+
+    def forget_receivers(self) -> None:
+        self.stuck, self.forgotten_at = False, time.time()
+
+
+def test_a_weight_wait_does_not_delay_declaring_a_dead_rollout_side_lost(tmp_path, caplog) -> None:
+    """The trainer waits (up to weight_sync.timeout_s, 60 s) for a broadcast whose
+    receivers died with their rollout side. Its verdict must come after
+    transport.peer_dead_s (1 s here), not after that wait: a kill -9 was declared only
+    after 78 s. The sender is then told to stop waiting, and a new side finishes the run."""
+    h = Harness(tmp_path, 30)
+    h.tc.weights = weights = _StuckWeights()
+    vanished_at = time.time() + 1.0
+    h.start(h.controller(0), vanish_after_s=1.0)
+
+    def later() -> None:
+        while weights.stuck and time.time() < vanished_at + 60:
+            time.sleep(0.1)
+        h.start(h.controller(1))
+
+    threading.Thread(target=later, daemon=True).start()
+    with caplog.at_level(logging.INFO):
+        summary, recs = h.finish()
+    lost = [r for r in caplog.records if "declared lost" in r.getMessage()]
+    assert lost and weights.forgotten_at is not None, caplog.text[-3000:]
+    assert lost[0].created - vanished_at < 1.0 + 5.0, lost[0].created - vanished_at
+    assert h.trainer.version == 30 and _adds_up(summary) and recs[-1]["counts_add_up"], summary
+
+
 def test_out_of_vocabulary_token_ids_are_refused_at_the_edge_and_counted(tmp_path, caplog) -> None:
     """An out-of-range token id in a trajectory frame used to kill training (an index past
     the embedding): it is refused where it arrives, its members count as failed."""

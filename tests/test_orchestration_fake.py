@@ -71,6 +71,9 @@ class FakeWeights:
     def wait(self, timeout=None):
         return None
 
+    def forget_receivers(self) -> None:
+        self.forgotten = getattr(self, "forgotten", 0) + 1
+
 
 class HeldRollout(FakeRollout):
     """Fake servers that can be held (`cluster.colocate`): no token is made while they are."""

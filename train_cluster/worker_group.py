@@ -192,6 +192,12 @@ class _TrainWorker:
         except Exception as e:
             return None, str(e)
 
+    def weights_forget(self) -> None:
+        """Rank 0: the rollout side is gone; its sender stops waiting for its receivers."""
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.forget_receivers()
+
     def close_weight_sender(self) -> None:
         sender = getattr(self, "sender", None)
         if sender is not None:
@@ -404,6 +410,11 @@ class WorkerWeightSender:
 
     def send(self, version: int, named_tensors: Any) -> Any:
         raise TypeError("the weights are sent from rank 0: call send_current(version)")
+
+    def forget_receivers(self) -> None:
+        """Tell rank 0's sender, without waiting for the answer: rank 0 may be inside a
+        `weights_wait` slice, and the point is not to wait."""
+        self.group.workers[0].weights_forget.remote()
 
     def wait(self, timeout: float | None = None) -> Any:
         from weight_sync.meta import WeightSyncError

@@ -82,6 +82,10 @@ class WeightSender(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook; transports without resources keep it
         """Release sockets, groups and threads."""
 
+    def forget_receivers(self) -> None:  # noqa: B027 - optional: transports without membership ignore it
+        """The receivers this sender waits for are gone (their rollout side was declared
+        lost): stop waiting for them now, rather than for `timeout_s`."""
+
     def __enter__(self) -> WeightSender:
         return self
 

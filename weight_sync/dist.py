@@ -226,6 +226,8 @@ class DistWeightSender(WeightSender):
         self._incarnations: dict[str, str] = {}
         """Member id -> the receiver object's random id; a change means the engine restarted."""
         self._had_receivers = False
+        self._forget_now = threading.Event()
+        """Set by `forget_receivers`: the current wait for receivers ends at once."""
         self.first_receivers_s = min(5.0, self.timeout_s)
         """How long a sender that never had a receiver waits for the first ones to join
         and be ready (a resumed trainer's first version), instead of sending to nobody."""
@@ -381,6 +383,11 @@ class DistWeightSender(WeightSender):
                     stats.gb_per_s,
                 )
 
+    def forget_receivers(self) -> None:
+        """End the current wait for receivers at once (they are gone); the transfer goes
+        to whoever is ready, and the ones left out re-register if they come back."""
+        self._forget_now.set()
+
     def _publish_plan(self, seq: int, plan: dict[str, Any]) -> None:
         """The plan of transfer `seq`, then `latest` = seq: a receiver still waiting on an
         older transfer (whose plan `_forget` may have deleted) sees that it is over."""
@@ -416,7 +423,8 @@ class DistWeightSender(WeightSender):
                 read_ready()
                 return bool(self._known) and set(self._known) <= ready.keys()
 
-            _poll(joined_and_ready, min(deadline, time.monotonic() + self.first_receivers_s))
+            _poll(lambda: joined_and_ready() or self._forget_now.is_set(),
+                  min(deadline, time.monotonic() + self.first_receivers_s))
         waited_for = set(self._known)
 
         def all_known_ready() -> bool:
@@ -424,12 +432,15 @@ class DistWeightSender(WeightSender):
             read_ready()
             return waited_for <= ready.keys()
 
-        if not _poll(all_known_ready, deadline):
+        if not _poll(lambda: all_known_ready() or self._forget_now.is_set(), deadline) \
+                or self._forget_now.is_set():
             missing = sorted(waited_for - ready.keys())
-            log.warning(
-                "weight receivers %s not ready within %.1fs; leaving them out", missing, self.timeout_s
-            )
+            if missing and not self._forget_now.is_set():
+                log.warning(
+                    "weight receivers %s not ready within %.1fs; leaving them out", missing, self.timeout_s
+                )
             self._known = [r for r in self._known if r not in missing]
+            self._forget_now.clear()
         members = [r for r in self._members if r in ready]
         members += [r for r in ready if r not in members]
         restarted = [r for r in members if self._incarnations.get(r, ready[r]) != ready[r]]

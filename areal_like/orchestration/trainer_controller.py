@@ -102,6 +102,9 @@ class WeightPublisher(Protocol):
 
     def wait(self, timeout: float | None = None) -> Any: ...
 
+    def forget_receivers(self) -> None:
+        """The rollout side was declared lost: stop waiting for its receivers."""
+
     @property
     def rendezvous(self) -> str | None: ...
 
@@ -427,11 +430,20 @@ class TrainerController:
         v, self._in_flight = self._in_flight, None
         if v is None:
             return None
-        try:
-            done = self.weights.wait(timeout=self.cfg.weight_sync.timeout_s)
-        except Exception as e:  # still on the wire (a stalled receiver): the next send waits for it
-            log.warning("weights v%d: %s; training goes on", v, e)
-            return None
+        deadline = time.time() + self.cfg.weight_sync.timeout_s
+        while True:  # in slices: the rollout side's liveness is judged meanwhile, not after
+            try:
+                done = self.weights.wait(timeout=max(0.0, min(1.0, deadline - time.time())))
+                break
+            except Exception as e:  # still on the wire (a stalled or dead receiver)
+                if time.time() >= deadline:
+                    log.warning("weights v%d: %s; training goes on", v, e)
+                    return None
+            self._drain(timeout_s=0.0)
+            self._check_peers(self.trainer.version)
+            if self.peers.accepted is None:  # declared lost: its receivers will not come
+                log.info("weights v%d: the rollout side is gone; its broadcast ends on its own", v)
+                return None
         if done is not None and not done.ok:
             log.error("weight sync of v%d failed: %s (engines keep their version)", v, done.error)
         return done
@@ -450,15 +462,7 @@ class TrainerController:
         self._feed_restarted_servers()
         self._resend_if_rollout_stuck()
         self._announce()
-        try:
-            if self.check_peers is not None:
-                self.check_peers()
-            self.peers.check()
-        except RunFailed:
-            raise
-        except Exception as e:  # the trainer's state is whole: save it before stopping
-            self._abort_checkpoint()
-            raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
+        self._check_peers(v)
         line, verdict = self.signal.check()
         if verdict is not None:
             raise RunFailed(f"{verdict}\nthe run stopped at v{v}")
@@ -467,6 +471,23 @@ class TrainerController:
             self.wait_notes.printed()
         if self.wait_notes.due():
             self._say(self._waiting_for(v))
+
+    def _check_peers(self, v: int) -> None:
+        """Is the rollout side alive? A silent one is declared lost (logged) after
+        `transport.peer_dead_s`; none past `peer_timeout_s`, or a dead one this process
+        knows of, stops the run."""
+        had = self.peers.accepted
+        try:
+            if self.check_peers is not None:
+                self.check_peers()
+            self.peers.check()
+            if had is not None and self.peers.accepted is None:  # declared lost just now
+                self.weights.forget_receivers()
+        except RunFailed:
+            raise
+        except Exception as e:  # the trainer's state is whole: save it before stopping
+            self._abort_checkpoint()
+            raise RunAborted(f"{e}; the run stopped at v{v}: {self._resume_hint()}") from e
 
     def _say(self, line: str) -> None:
         if self.on_wait is not None:
@@ -513,9 +534,13 @@ class TrainerController:
             return  # nothing new yet, or the rollout side is gone: nobody to feed until one joins
         if r is not None and (r.loaded_version >= v or self.peers.delivered(self.peers.accepted) > 0):
             return
+        try:
+            self.weights.wait(timeout=0)
+        except Exception:  # the last transfer is still on the wire: a send now would wait for it
+            return
         now = time.time()
-        if now - max(self._fed_at, self._sent_at) < every_s:
-            return  # a version went out just now (the resumed one, a publish): it reaches them
+        if now - self._fed_at < every_s:
+            return
         self._fed_at = now
         self.last_meta = self._send_weights(v)
         self._sent_at = time.time()
