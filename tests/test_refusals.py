@@ -110,8 +110,5 @@ def test_strangers_on_a_real_runs_data_port_are_said_once_and_all_counted(tiny_m
     assert any("junk" in x or "not valid msgpack" in x for x in said), "\n".join(said)
     assert any("another run" in x for x in said) and any("second rollout controller" in x for x in said)
 
-    junk = refused.get("junk: not a frame of this protocol")
-    if junk is None:  # the channel's own refusals need one line in TrainerController._finish
-        pytest.xfail("the summary lacks the data channel's refusals: TrainerController._finish must write "
-                     "refused_frames={**self.puller.refused_frames, **self.peers.refused} (#31 item 4)")
+    junk = refused.get("junk: not a frame of this protocol", 0)
     assert junk >= N_JUNK, refused  # the ZMQ junk frames, and what ZMQ made frames of the TCP junk

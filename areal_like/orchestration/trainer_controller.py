@@ -720,7 +720,8 @@ class TrainerController:
             log.error("outcome counts do not add up: %s", summary)
         servers = {n: srv.model_dump() for n, srv in self.rollout.counters.per_server.items()} if self.rollout else {}
         self.mlog.write("summary", self.trainer.version, counts_add_up=ok, ended=reason, **summary,
-                        refused_frames=dict(self.peers.refused), duplicate_frames=self.puller.duplicates,
+                        refused_frames={**self.puller.refused_frames, **self.peers.refused},
+                        duplicate_frames=self.puller.duplicates,
                         servers=servers,
                         target_reached=list(self.target_reached) if self.target_reached else None,
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
