@@ -41,9 +41,13 @@ STAT_KEYS = (
     "version", "skipped", "skipped_total", "loss", "pg_loss", "kl", "clip_frac", "behav_weight_mean",
     "behav_weight_max", "behav_capped", "behav_masked", "behav_prox_gap", "entropy", "grad_norm",
     "lr", "tokens_per_s", "num_seqs", "num_tokens", "num_loss_tokens", "mini_batches_applied",
-    "step_time_s", "prox_time_s",
+    "step_time_s", "prox_time_s", "fwd_bwd_time_s", "optimizer_time_s",
 )
-"""Keys of the dict `train_step` returns (all floats)."""
+"""Keys of the dict `train_step` returns (all floats). The times are seconds of this rank:
+`step_time_s` the whole step; `prox_time_s` the π_prox (and π_ref) logprob passes before
+the first mini-batch; `fwd_bwd_time_s` forward, loss, backward, clipping and their
+collectives, and `optimizer_time_s` the optimizer and LR steps, each summed over the
+mini-batches (the trainer's step time budget, docs/design.md §10.19)."""
 
 # Indices into the summed statistics vector of one step.
 _S_LOSS, _S_PG, _S_KL, _S_CLIP, _S_W, _S_CAP, _S_MASK, _S_GAP, _S_ENT, _S_TOK, _S_NUM = range(11)
@@ -131,9 +135,14 @@ class TrainEngine(ABC):
         w_max = torch.zeros(1, dtype=torch.float64)
         grad_norms: list[float] = []
         applied = 0
+        fwd_bwd_time = optimizer_time = 0.0  # summed over mini-batches (the step's time budget)
         for mini in minis:
+            t = time.perf_counter()
             norm, mini_sums, mini_wmax = self._mini_batch_step(mini)
             finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(mini_sums[_S_LOSS]))
+            now = time.perf_counter()
+            fwd_bwd_time += now - t
+            t = now
             if finite:
                 self._optimizer_step()
                 applied += 1
@@ -141,13 +150,17 @@ class TrainEngine(ABC):
                 logger.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): mini-batch not applied",
                                float(mini_sums[_S_LOSS]), float(norm))
             self._zero_grad()
+            self._sync_for_timing()
+            optimizer_time += time.perf_counter() - t
             sums += mini_sums
             w_max = torch.maximum(w_max, mini_wmax)
             grad_norms.append(float(norm))
 
         lr = self._current_lr()
         if applied:
+            t = time.perf_counter()
             self._scheduler_step()
+            optimizer_time += time.perf_counter() - t
             self.version += 1
         else:
             self.skipped += 1
@@ -181,6 +194,8 @@ class TrainEngine(ABC):
             "mini_batches_applied": float(applied),
             "step_time_s": elapsed,
             "prox_time_s": prox_time,
+            "fwd_bwd_time_s": fwd_bwd_time,
+            "optimizer_time_s": optimizer_time,
         }
 
     @abstractmethod
@@ -316,6 +331,12 @@ class TrainEngine(ABC):
 
     def _collective_device(self) -> torch.device:
         return self.device
+
+    def _sync_for_timing(self) -> None:
+        """Wait for queued device work, so the optimizer's time is not billed to the next
+        mini-batch's forward (CUDA runs kernels asynchronously; a CPU needs nothing)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _dummy_backward(self) -> None:
         logits = self._forward_logits(_one_token_batch())

@@ -19,6 +19,7 @@ and gets OMP/MKL thread variables to match, and reserves that many Ray CPUs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -328,8 +329,12 @@ class TrainWorkerGroup:
     def train_on(self, trajectories: list[Trajectory], poll: Callable[[], None] | None = None) -> dict[str, float]:
         """One train step on a batch of trajectories: group-normalised advantages, packing
         and the decoupled PPO update all happen here, in the train cluster. `poll` runs in
-        this process every 20 ms while the workers compute."""
-        return self.train_step(build_batch(trajectories, self.loss_cfg), poll=poll)
+        this process every 20 ms while the workers compute. `batch_time_s` in the stats is
+        the time building the batch took (the step's time budget)."""
+        t0 = time.perf_counter()
+        batch = build_batch(trajectories, self.loss_cfg)
+        built = time.perf_counter() - t0
+        return {**self.train_step(batch, poll=poll), "batch_time_s": built}
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         shards = self._shards(batch)

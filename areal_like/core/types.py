@@ -361,6 +361,27 @@ class RolloutCounters(_Strict):
     rollout_borrowed_thread_s: float = 0.0
     """Seconds the servers generated with threads borrowed from an idle train pool
     (`cluster.lend_idle_threads`), summed over servers."""
+    generate_seconds_total: float = 0.0
+    """The step's time budget (docs/design.md §10.19), cumulative seconds: the servers'
+    engines stepping (generation, prefill and recompute), summed over servers (the
+    embedded engine; vLLM's engine core does not report it: 0)."""
+    engine_idle_seconds_total: float = 0.0
+    """Seconds the servers' engines had nothing to step (not counting holds), summed."""
+    weights_seconds_total: float = 0.0
+    """Seconds the servers spent receiving and loading weights, summed."""
+    agent_loop_seconds_total: float = 0.0
+    """Seconds episodes spent in their agent loop outside generate calls and tool calls,
+    summed over episodes (loops that report `generate_s`: the built-in ones)."""
+    tools_seconds_total: float = 0.0
+    """Seconds episodes spent in tool calls, summed over episodes."""
+    reward_seconds_total: float = 0.0
+    """Seconds spent computing rewards, summed over episodes."""
+    send_seconds_total: float = 0.0
+    """Seconds the rollout controller spent encoding and sending to the trainer."""
+    wait_gate_seconds_total: float = 0.0
+    """Seconds the rollout controller admitted nothing because the staleness gate was full."""
+    wait_weights_seconds_total: float = 0.0
+    """Seconds it admitted nothing while awaiting a restarted trainer's weights."""
     servers: float = 0.0
     server_failures: float = 0.0
     generate_retries: float = 0.0

@@ -128,6 +128,9 @@ class RolloutController:
         self._ignored_runs: set[str] = set()
         """Trainer version when this rollout side started: episode ids stay unique across resumes."""
         self._sending: set[str] = set()
+        self.seconds = {"send": 0.0, "wait_gate": 0.0, "wait_weights": 0.0}
+        """Cumulative seconds for the step's time budget (docs/design.md §10.19): in `send`,
+        and admitting nothing because the gate was full or the weights were awaited."""
         self._eval_tasks: list[asyncio.Task[None]] = []
         self._evaluated: set[int] = set()
         gate.set_loaded_version(loaded_version)
@@ -146,14 +149,17 @@ class RolloutController:
                     self._spawn_group(self.source.next())
                     admitted += 1
                 if admitted:  # the trainer learns of new groups now, not at the next report
-                    await self.send(self._stamp(self._stats()))
+                    await self._send(self._stamp(self._stats()))
                 self._wake.clear()
                 if control.done():
                     control.result()  # surface a crashed control task
+                shut = "wait_weights" if self._awaiting_weights else "wait_gate"  # why nothing more was admitted
+                t0 = time.perf_counter()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
+                self.seconds[shut] += time.perf_counter() - t0
                 self.fail_fast.raise_if_tripped()
         finally:
             await self._shutdown(control, stats)
@@ -183,7 +189,7 @@ class RolloutController:
         group = TrajectoryGroup(
             group_id=gid, trajectories=trajs, failed=len(reasons), rejected=rejected, failure_reasons=reasons[:4]
         )
-        await self.send(self._stamp(group))
+        await self._send(self._stamp(group))
         record = getattr(self.source, "record", None)
         if record is not None:  # a prompt every sample solves, again and again, may be skipped
             record(row, [t.reward for t in trajs], self.n)
@@ -266,7 +272,7 @@ class RolloutController:
             self.source.load_state_dict(ann.data_position)
             self._group_seq = int(ann.data_position.get("group_seq", self._group_seq))
         await self._apply_announcement(ann)
-        await self.send(self._stamp(self._stats()))  # hello: the trainer accepts us and sends its weights
+        await self._send(self._stamp(self._stats()))  # hello: the trainer accepts us and sends its weights
         while self.loaded_version < ann.version and not self._stop.is_set():
             ann = await self.announcements.get()
             await self._apply_announcement(ann)
@@ -349,7 +355,7 @@ class RolloutController:
                             "but it has none to pause")
         self._held = number
         if number:
-            await self.send(self._stamp(self._stats()))
+            await self._send(self._stamp(self._stats()))
 
     async def _rebase(self, ann: VersionAnnouncement) -> None:
         """The trainer restarted (a newer epoch, after `--resume`): what runs belongs to
@@ -391,11 +397,18 @@ class RolloutController:
             gate=GateSnapshot(**self.gate.state_dict(), capacity=self.gate.capacity),
             outcomes=EpisodeOutcomes(**self.outcomes, reward_sum=self.reward_sum),
             data_position=self.data_position(),
-            counters=self.counters(),
+            counters=self.counters().model_copy(update={f"{k}_seconds_total": v for k, v in self.seconds.items()}),
             held=self._held,
             running_groups=dict(self._admitted),
             failures=self.fail_fast.report(),
         )
+
+    async def _send(self, msg: BaseModel) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.send(msg)
+        finally:
+            self.seconds["send"] += time.perf_counter() - t0
 
     def _stamp(self, msg: TrajectoryGroup | RolloutStats) -> TrajectoryGroup | RolloutStats:
         msg.origin = Origin(run_id=self.run_id or "", epoch=self.epoch, sender=self.sender, started=self.started)
@@ -404,7 +417,7 @@ class RolloutController:
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(self.stats_every_s)
-            await self.send(self._stamp(self._stats()))
+            await self._send(self._stamp(self._stats()))
 
     def _start_eval(self, version: int) -> None:
         if self.eval_rows and version not in self._evaluated:
@@ -435,7 +448,7 @@ class RolloutController:
             eval=EvalResult(accuracy=acc, reward_mean=sum(scores) / max(len(scores), 1), seconds=time.time() - t0,
                             num_samples=len(scores)),
         )
-        await self.send(self._stamp(stats))
+        await self._send(self._stamp(stats))
 
     async def _shutdown(self, control: asyncio.Task[None], stats: asyncio.Task[None]) -> None:
         for t in (control, stats):
@@ -454,7 +467,7 @@ class RolloutController:
         await asyncio.gather(*running, control, stats, *self._eval_tasks, return_exceptions=True)
         self.cancelled = self.gate.s.running
         self.gate.on_cancel(self.cancelled)
-        await self.send(self._stamp(self._stats("final")))
+        await self._send(self._stamp(self._stats("final")))
 
     # ---- recovery ---------------------------------------------------------------------------
     def data_position(self) -> dict[str, int]:

@@ -103,7 +103,7 @@ class RolloutSide:
                 place, "rollout_pool", rollout_bundles(cfg), cfg.cluster.rollout_pool.strategy)
         pusher = subscriber = None
         try:
-            runner = await self._build_servers_and_runner()
+            runner = self.runner = await self._build_servers_and_runner()
             t = cfg.transport
             pusher = DataPusher(self.data_addr, t.secret, int(t.max_frame_mb * 2**20), heartbeat_s=t.heartbeat_s,
                                 dead_s=t.peer_dead_s, resend_after_s=t.resend_after_s, max_resends=t.max_resends)
@@ -265,7 +265,14 @@ class RolloutSide:
         busy = any(m.get("running", 0.0) > 0 or m.get("queue_depth", 0.0) > 0 for m in per)
         generated = total("generated_tokens")
         cpu = time.process_time() + total("process_cpu_s")
+        episodes = getattr(getattr(self, "runner", None), "seconds", {})
         return RolloutCounters(
+            generate_seconds_total=total("engine_step_seconds_total"),
+            engine_idle_seconds_total=total("engine_idle_seconds_total"),
+            weights_seconds_total=total("weight_update_seconds_total"),
+            agent_loop_seconds_total=episodes.get("agent_loop", 0.0),
+            tools_seconds_total=episodes.get("tools", 0.0),
+            reward_seconds_total=episodes.get("reward", 0.0),
             rollout_cpu_s=cpu,
             rollout_borrowed_thread_s=total("borrowed_thread_s"),
             rollout_held_s=total("held_seconds_total"),

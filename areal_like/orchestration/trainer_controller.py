@@ -44,6 +44,7 @@ from areal_like.orchestration import startup, stop
 from areal_like.orchestration.channels import ControlPublisher, DataPuller
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
+from areal_like.orchestration.step_budget import StepBudget
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
 from areal_like.orchestration.watch import FailureNotes, SignalWatch, WaitNotes
 
@@ -138,6 +139,8 @@ class TrainerController:
         self.run_dir = run_dir
         self.mlog = mlog
         self.telemetry = TrainerTelemetry(mlog, registry or MetricsRegistry())
+        self.budget = StepBudget()
+        """Where the time between two step records goes (`budget_*_s` in each record)."""
         self.model_path = Path(model_path)
         self.on_step = on_step
         self.check_peers = check_peers
@@ -260,17 +263,21 @@ class TrainerController:
         if self.trainer.version == 0 and cfg.run.record_weights:
             self.run_dir.record_weights(0, dict(self.trainer.named_weights()), self.model_path)
         self._announce(weights=self.resumed_meta, data_position=self.data_position, force=True)
+        self.budget = StepBudget()  # the first step's interval starts here
         t_wait = time.time()
         while self.trainer.version < cfg.train.total_steps and self.target_reached is None:
             t_loop = time.time()
-            self._drain(timeout_s=0.05)
-            v = self.trainer.version
-            stragglers = self._stragglers(v)
-            groups = None if stragglers else self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
+            with self.budget.phase("wait_data") as wait:  # renamed below when it waited for something else
+                self._drain(timeout_s=0.05)
+                v = self.trainer.version
+                stragglers = self._stragglers(v)
+                groups = None if stragglers else self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
+                if groups is None:
+                    wait.name = self._wait_phase(stragglers)
+                    self._while_waiting(v)
+                    if stragglers and self.buffer.num_groups >= cfg.train.batch_size:
+                        self.straggler_wait_s += time.time() - t_loop
             if groups is None:
-                self._while_waiting(v)
-                if stragglers and self.buffer.num_groups >= cfg.train.batch_size:
-                    self.straggler_wait_s += time.time() - t_loop
                 continue
             self.idle_s += time.time() - t_wait
             t0 = time.time()
@@ -290,7 +297,8 @@ class TrainerController:
                     self._announce(force=True)
                 self.busy_s += time.time() - t0
                 self.telemetry.write_step(rec, self.idle_s / max(self.idle_s + self.busy_s, 1e-9),
-                                          self.rollout.loaded_version if self.rollout is not None else None)
+                                          self.rollout.loaded_version if self.rollout is not None else None,
+                                          budget=self.budget)
                 if "first_step" not in startup.phases():
                     startup.mark("first_step")
                     self.mlog.write("startup", self.trainer.version, **startup.phases())
@@ -302,7 +310,8 @@ class TrainerController:
                     self.on_step(rec)
                     self.wait_notes.printed()
                 if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
-                    self.checkpoint()
+                    with self.budget.phase("checkpoint"):  # in the next step's record
+                        self.checkpoint()
             t_wait = time.time()
         if not (self.run_dir.checkpoint_dir(self.trainer.version) / "COMPLETE").is_file():
             self.checkpoint()  # the final weights on disk before the summary: an export that fails can be redone
@@ -333,6 +342,14 @@ class TrainerController:
             out.append(gid)
         return out
 
+    def _wait_phase(self, stragglers: list[str]) -> str:
+        """What a pass that formed no batch waited for, as a phase of the step's budget."""
+        if self.peers.accepted is None or self.rollout is None:
+            return "wait_rollout"
+        if stragglers and self.buffer.num_groups >= self.cfg.train.batch_size:
+            return "wait_straggler"
+        return "wait_data"
+
     def _due(self, every: int) -> bool:
         v = self.trainer.version
         return v % every == 0 or v >= self.cfg.train.total_steps
@@ -342,6 +359,10 @@ class TrainerController:
         that its servers are paused for it (≤ `cluster.colocate_timeout_s`, then train
         anyway, said in the log). Data that arrives meanwhile is taken in. Returns the
         seconds waited."""
+        with self.budget.phase("wait_colocate"):
+            return self._wait_for_devices()
+
+    def _wait_for_devices(self) -> float:
         t0 = time.time()
         self._hold_seq += 1
         self._hold = self._hold_seq
@@ -370,12 +391,18 @@ class TrainerController:
         """v → v+1, or skipped (non-finite loss or gradient: the version stays)."""
         trajectories = [t for g in groups for t in g.trajectories]
         try:
-            stats = self.trainer.train_on(trajectories, poll=self._during_step)
+            # whole: what this process takes in while the workers train is the train step's time
+            with self.budget.phase("train", whole=True):
+                stats = self.trainer.train_on(trajectories, poll=self._during_step)
         except Exception as e:
             if _disk_full(e):
                 raise
             log.error("the train step at v%d failed", v, exc_info=e)
             raise RunAborted(f"the train step at v{v} failed: {e}; the run stopped: {self._resume_hint()}") from e
+        self.budget.split("train", {"train_batch": stats.get("batch_time_s", 0.0),
+                                    "train_logprobs_prox": stats.get("prox_time_s", 0.0),
+                                    "train_fwd_bwd": stats.get("fwd_bwd_time_s", 0.0),
+                                    "train_optimizer": stats.get("optimizer_time_s", 0.0)}, rest="train_other")
         if self.trainer.version == v:
             self.buffer.mark_skipped(groups)
             self.skips_in_a_row += 1
@@ -414,13 +441,14 @@ class TrainerController:
         new_v = self.trainer.version
         t0 = time.time()
         done = self._end_transfer()
-        meta = self._send_weights(new_v)
-        self._sent_at = time.time()
-        self._in_flight = new_v
-        if self.cfg.run.record_weights:
-            self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
-        self.last_meta = meta
-        self._announce(weights=meta, force=True)
+        with self.budget.phase("publish"):
+            meta = self._send_weights(new_v)
+            self._sent_at = time.time()
+            self._in_flight = new_v
+            if self.cfg.run.record_weights:
+                self.run_dir.record_weights(new_v, dict(self.trainer.named_weights()), self.model_path)
+            self.last_meta = meta
+            self._announce(weights=meta, force=True)
         self.telemetry.weight_sync(rec, time.time() - t0, done)
 
     def _end_transfer(self) -> Any:
@@ -430,6 +458,10 @@ class TrainerController:
         v, self._in_flight = self._in_flight, None
         if v is None:
             return None
+        with self.budget.phase("wait_broadcast"):
+            return self._wait_for_transfer(v)
+
+    def _wait_for_transfer(self, v: int) -> Any:
         deadline = time.time() + self.cfg.weight_sync.timeout_s
         while True:  # in slices: the rollout side's liveness is judged meanwhile, not after
             try:
@@ -453,7 +485,8 @@ class TrainerController:
         that lives with the weights (rank 0's sender) takes them itself; otherwise they
         are read here and given to it."""
         own = getattr(self.weights, "send_current", None)
-        meta = own(version) if own is not None else self.weights.send(version, self.trainer.named_weights())
+        with self.budget.phase("publish"):
+            meta = own(version) if own is not None else self.weights.send(version, self.trainer.named_weights())
         return meta.model_copy(update={"epoch": self.peers.epoch})
 
     def _while_waiting(self, v: int) -> None:
@@ -617,10 +650,13 @@ class TrainerController:
         self.publisher.publish(ann)
 
     def _drain(self, timeout_s: float) -> None:
-        msg = self.puller.recv(timeout_s)
-        while msg is not None:
-            self._handle(msg)
-            msg = self.puller.recv(0)
+        msg = self.puller.recv(timeout_s)  # up to timeout_s: the caller's phase (a wait)
+        if msg is None:
+            return
+        with self.budget.phase("drain"):
+            while msg is not None:
+                self._handle(msg)
+                msg = self.puller.recv(0)
 
     def _handle(self, msg: Any) -> None:
         if not isinstance(msg, (TrajectoryGroup, RolloutStats)):

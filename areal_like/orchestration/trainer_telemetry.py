@@ -14,6 +14,7 @@ from typing import Any
 from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.metrics import MetricsLog, MetricsRegistry
 from areal_like.core.types import RolloutCounters, RolloutStats, TrajectoryGroup
+from areal_like.orchestration.step_budget import ROLLOUT_PHASES, StepBudget
 
 __all__ = ["TrainerTelemetry"]
 
@@ -29,6 +30,10 @@ class TrainerTelemetry:
         self._rewards_now: tuple[str, int, float] = ("", 0, 0.0)
         self._cpu_seen: tuple[float, float] | None = None
         """(time, the train workers' CPU seconds) at the previous step."""
+        self._rollout_budget_now: tuple[str, dict[str, float]] | None = None
+        self._rollout_budget_seen: tuple[str, dict[str, float]] | None = None
+        """(sender, cumulative seconds per rollout phase): of the newest report, and as of
+        the previous step's record."""
 
     def train_step(self, groups: list[TrajectoryGroup], v: int, new_v: int, skipped: bool,
                    stats: dict[str, float], buffer: TrajectoryBuffer) -> dict[str, Any]:
@@ -80,7 +85,10 @@ class TrainerTelemetry:
             self.m.sync_bytes.inc(done.bytes)
             self.m.sync_seconds.observe(done.seconds)
 
-    def write_step(self, rec: dict[str, Any], trainer_idle_ratio: float, rollout_version: int | None) -> None:
+    def write_step(self, rec: dict[str, Any], trainer_idle_ratio: float, rollout_version: int | None,
+                   budget: StepBudget | None = None) -> None:
+        """Write the step's record; with `budget`, its time budget since the previous record
+        (the record's `time` is the end of that interval) and the rollout side's."""
         if rollout_version is not None:
             rec["rollout_version"] = rollout_version
         rec["trainer_idle_ratio"] = trainer_idle_ratio
@@ -92,6 +100,10 @@ class TrainerTelemetry:
                 rec["train_cores_used"] = max(0.0, (used - self._cpu_seen[1]) / (now - self._cpu_seen[0]))
                 self.m.cores_used.labels(pool="train").set(rec["train_cores_used"])
             self._cpu_seen = (now, used)
+        rec.update(self._rollout_budget())
+        if budget is not None:
+            rec.update(budget.take())
+            rec["time"] = budget.taken_at
         self.mlog.write("train_step", rec["step"], **rec)
 
     def sampled_reward(self, rec: dict[str, Any]) -> None:
@@ -110,12 +122,28 @@ class TrainerTelemetry:
     def rollout_report(self, msg: RolloutStats, trainer_version: int) -> None:
         if msg.origin is not None:
             self._rewards_now = (msg.origin.sender, msg.outcomes.sent, msg.outcomes.reward_sum)
+        self._rollout_budget_now = (msg.origin.sender if msg.origin is not None else "",
+                                    {name: float(getattr(msg.counters, field)) for name, field, _ in ROLLOUT_PHASES})
         self.m.server_version.labels(server="rollout").set(msg.loaded_version)
         self._counters(msg.counters)
         for k in ("running", "sent", "dropped", "consumed", "capacity"):
             self.m.gate.labels(state=k).set(getattr(msg.gate, k))
         self.mlog.write("rollout", trainer_version, **msg.flat(), loaded_version=msg.loaded_version,
                         started=msg.started, episodes_running=msg.running)
+
+    def _rollout_budget(self) -> dict[str, float]:
+        """`rollout_budget_<phase>_s`: the rollout side's seconds per phase since the previous
+        step, from the cumulative counters of its newest report (reports come every ~2 s and
+        whenever it admits groups, so a step may see none and the next two steps' worth). A
+        new rollout controller counts from 0; a counter that went back (a restarted server)
+        adds nothing that step."""
+        if self._rollout_budget_now is None:
+            return {}
+        sender, now = self._rollout_budget_now
+        seen = self._rollout_budget_seen
+        base = seen[1] if seen is not None and seen[0] == sender else {}
+        self._rollout_budget_seen = self._rollout_budget_now
+        return {f"rollout_budget_{k}_s": max(0.0, v - base.get(k, 0.0)) for k, v in now.items()}
 
     def evaluation(self, msg: RolloutStats, trainer_version: int) -> dict[str, Any]:
         assert msg.eval is not None

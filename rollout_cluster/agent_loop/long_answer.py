@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from typing import Any
 
 from areal_like.core.types import AgentLoopOutput, SamplingParams
@@ -47,6 +48,7 @@ class LongAnswerLoop(ToolAgentLoop):
         k = min(self.response_length - len(out.response_ids), extra_tokens(episode_id, self.config.long_answer_tokens))
         if k <= 0:
             return out
+        start = time.perf_counter()
         try:
             res = await self.server_manager.generate(
                 request_id=f"{episode_id}/long",
@@ -63,5 +65,6 @@ class LongAnswerLoop(ToolAgentLoop):
             "response_versions": out.response_versions + list(res.versions),
             "stop_reason": "abort" if res.stop_reason == "abort" else out.stop_reason,
             "metrics": {**out.metrics, "long_answer_tokens": float(len(res.token_ids)),
+                        "generate_s": out.metrics.get("generate_s", 0.0) + time.perf_counter() - start,
                         "long_answer_interrupts": float(res.num_interrupts)},
         })

@@ -18,6 +18,7 @@ Any other exception is a bug in a loop or tool code; count it as `failed` too.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,10 @@ class AgentRunner:
         self.reward_fn = load_reward(reward_fn if reward_fn is not None else config.reward, base_dir=base_dir)
         self._loop_specs = dict(loops or {})
         self._loops: dict[str, AgentLoopBase] = {}
+        self.seconds = {"agent_loop": 0.0, "tools": 0.0, "reward": 0.0}
+        """Cumulative seconds summed over episodes, for the step's time budget (docs/design.md
+        §10.19): in the agent loop outside generate and tool calls (loops that report
+        `generate_s` in their metrics), in tool calls (`tool_s`), in the reward."""
 
     @classmethod
     def from_config(
@@ -104,9 +109,11 @@ class AgentRunner:
         """Run one episode with the row's loop (unscored). Matches the controller's
         `RunEpisode(row, sampling, episode_id)`; raises `EpisodeAbortedError` on abort."""
         loop = self.loop_for(sample.get("agent_name") or self.config.default_loop)
+        t0 = time.perf_counter()
         output = await loop.run(sampling_params, **{**sample, "episode_id": episode_id})
         if output is None:
             return None
+        self._time_episode(time.perf_counter() - t0, output.metrics)
         if output.episode_id is None:
             output.episode_id = episode_id
         if output.stop_reason == "abort":
@@ -118,14 +125,24 @@ class AgentRunner:
         dict reward land in `output.metrics`. A reward the loop already set is kept.
         Matches the controller's `Score(row, output)`; raises `RewardError`."""
         if output.reward is None:
-            reward, metrics = await compute_reward(
-                self.reward_fn, sample, output, timeout_s=self.config.reward_timeout_s
-            )
+            t0 = time.perf_counter()
+            try:
+                reward, metrics = await compute_reward(
+                    self.reward_fn, sample, output, timeout_s=self.config.reward_timeout_s
+                )
+            finally:
+                self.seconds["reward"] += time.perf_counter() - t0
             output.reward = reward
             output.metrics.update(metrics)
         elif not math.isfinite(output.reward):
             raise RewardError("not_finite", f"agent loop set reward {output.reward}")
         return output.reward
+
+    def _time_episode(self, seconds: float, metrics: Mapping[str, float]) -> None:
+        tools = float(metrics.get("tool_s", 0.0))
+        self.seconds["tools"] += tools
+        if "generate_s" in metrics:  # the rest of the episode is the loop's own (and its turn on the event loop)
+            self.seconds["agent_loop"] += max(0.0, seconds - float(metrics["generate_s"]) - tools)
 
 
 def resolve_agent_loop(

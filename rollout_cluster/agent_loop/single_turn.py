@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from areal_like.core.types import AgentLoopOutput, SamplingParams
@@ -18,6 +19,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         episode_id = self.episode_id(sample)
         messages = self.prompt_messages(sample)
         prompt_ids = self.chat.prompt_ids(messages)
+        start = time.perf_counter()
         try:
             result = await self.server_manager.generate(
                 request_id=episode_id,
@@ -27,6 +29,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             )
         finally:
             self.server_manager.release_session(episode_id)
+        generate_s = time.perf_counter() - start
         ids = result.token_ids[: self.response_length]
         text = self.decode(ids)
         truncated = result.stop_reason == "length" or len(result.token_ids) > self.response_length
@@ -38,7 +41,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_versions=result.versions[: len(ids)],
             num_turns=1,
             truncated=truncated,
-            metrics={"num_interrupts": float(result.num_interrupts)},
+            metrics={"num_interrupts": float(result.num_interrupts), "generate_s": generate_s},
             episode_id=episode_id,
             final_text=text,
             messages=[*messages, {"role": "assistant", "content": text}],

@@ -23,6 +23,7 @@ import asyncio
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -95,6 +96,10 @@ class AsyncEngine:
         self._updating = False
         self._paused = False
         self._closed = False
+        self._step_s = 0.0
+        self._idle_s = 0.0
+        """Seconds in `engine.step()` and waiting with nothing to step (not paused): the
+        server's part of the step's time budget (docs/design.md §10.19)."""
         self.lender: Any = None
         """A `core.cores.ThreadLender` (set by the server actor on a shared machine): the
         engine says when it has work, and picks its thread count before each step."""
@@ -216,6 +221,8 @@ class AsyncEngine:
         m = dict(self._snapshot)
         m["inflight_calls"] = float(len(self._waiters))
         m["updating_weights"] = float(self._updating)
+        m["engine_step_seconds_total"] = self._step_s
+        m["engine_idle_seconds_total"] = self._idle_s
         return m
 
     async def close(self) -> None:
@@ -253,7 +260,10 @@ class AsyncEngine:
                     if self.lender is not None:
                         self.lender.done()
                         self.lender.ledger.working(False)
+                    idle, t = not self._paused, time.perf_counter()
                     self._cond.wait()
+                    if idle:
+                        self._idle_s += time.perf_counter() - t
                 commands = list(self._commands)
                 self._commands.clear()
             for command in commands:
@@ -266,12 +276,15 @@ class AsyncEngine:
             if self.lender is not None:
                 self.lender.ledger.working(True)
                 self.lender.pick()
+            t = time.perf_counter()
             try:
                 outs = self.engine.step()
             except Exception as e:  # a broken step must not hang every caller
                 logger.exception("engine step failed; failing all in-flight requests")
                 self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                 continue
+            finally:
+                self._step_s += time.perf_counter() - t
             self._snapshot = self.engine.metrics()
             if self._watchers:
                 self._stream_tokens()
