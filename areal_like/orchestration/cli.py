@@ -339,12 +339,22 @@ def audit(
 def report(
     run_dir: Path = typer.Argument(..., help="A run folder (run.dir)."),
     out: Path = typer.Option(None, help="Where to write report.png/report.txt (default: the run folder)."),
+    budget_steps: str = typer.Option(None, help="Average the time budget (budget.png) over steps FIRST:LAST "
+                                                "(either may be left out; default: every step but the first)."),
 ) -> None:
-    """Plot a run's metrics (reward, lag histogram, throughput, idle ratios) and summarise it."""
+    """Plot a run's metrics (reward, lag histogram, throughput, idle ratios, the step's time
+    budget per pool) and summarise it."""
     from areal_like.orchestration.report import make_report
 
+    bounds: tuple[int | None, int | None] = (None, None)
+    if budget_steps:
+        try:
+            a, _, b = budget_steps.partition(":")
+            bounds = (int(a) if a else None, int(b) if b else None)
+        except ValueError:
+            _fail(f"--budget-steps {budget_steps!r}: expected FIRST:LAST, e.g. 10:60", code=2)
     try:
-        png, text = make_report(run_dir, out)
+        png, text = make_report(run_dir, out, bounds)
     except FileNotFoundError as e:
         _fail(str(e))
     typer.echo(text)

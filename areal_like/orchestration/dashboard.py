@@ -72,6 +72,13 @@ previous reply's `latest_time` as the next `since` and appends):
         behav_prox_gap                                            mean |behav - prox| logprob
         behav_weight_mean, behav_weight_max,                      importance weights
         behav_capped, behav_masked, clip_frac
+    budget            the newest step's time budget (docs/design.md §10.19), once a step
+                      recorded one: {"step": int, "time": float, "wall_s": float,
+                      "trainer": {phase: s}, "rollout": {phase: s},
+                      "labels": {"trainer": {phase: label}, "rollout": {phase: label}}};
+                      the trainer's phases add up to wall_s (seconds since the step
+                      before), the rollout side's are seconds of work in that interval,
+                      summed over servers and episodes; phases in drawing order
     summary           the run's `summary` record (outcome counts); present only
                       once it has been written
 """
@@ -96,6 +103,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from areal_like.core.metrics import MetricsLog, MetricsRegistry
+from areal_like.orchestration.step_budget import ROLLOUT_PHASES, TRAINER_PHASES, budget_of
 
 __all__ = ["Dashboard", "build_data", "SERIES"]
 
@@ -211,6 +219,20 @@ def _reward_hist(registry: MetricsRegistry) -> dict[str, Any]:
     return {"buckets": buckets, "count": count, "sum": total if math.isfinite(total) else None}
 
 
+def _budget(rec: dict[str, Any]) -> dict[str, Any]:
+    """The `budget` field from one `train_step` record (phases in drawing order)."""
+    def ordered(parts: dict[str, float], order: list[str]) -> dict[str, float]:
+        return {k: parts[k] for k in [*order, *sorted(set(parts) - set(order))] if k in parts}
+
+    trainer, rollout = budget_of(rec), budget_of(rec, "rollout_budget_")
+    return {
+        "step": rec.get("step"), "time": rec.get("time"), "wall_s": _number(rec.get("budget_wall_s")),
+        "trainer": ordered(trainer, [k for k, _ in TRAINER_PHASES]),
+        "rollout": ordered(rollout, [k for k, _, _ in ROLLOUT_PHASES]),
+        "labels": {"trainer": dict(TRAINER_PHASES), "rollout": {k: label for k, _, label in ROLLOUT_PHASES}},
+    }
+
+
 def build_data(
     records: Iterable[dict[str, Any]],
     registry: MetricsRegistry,
@@ -231,7 +253,7 @@ def build_data(
     head: dict[int, int] = {}
     token: dict[int, int] = {}
     trainer_version, rollout_version, steps = 0, None, 0
-    latest_time, summary = since, None
+    latest_time, summary, budget = since, None, None
     for rec in records:
         kind, t = rec.get("kind"), _number(rec.get("time"))
         if t is None:
@@ -240,6 +262,8 @@ def build_data(
             trainer_version = rec["trainer_version"]
         if kind == "train_step":
             steps += 1
+            if "budget_wall_s" in rec:
+                budget = rec
             if not rec.get("skipped"):
                 _add_hist(head, rec.get("head_lag_hist"))
                 _add_hist(token, rec.get("token_lag_hist"))
@@ -273,6 +297,8 @@ def build_data(
         "reward_hist": _reward_hist(registry),
         "series": series,
     }
+    if budget is not None:
+        out["budget"] = _budget(budget)
     if summary is not None:
         out["summary"] = summary
     return out

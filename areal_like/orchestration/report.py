@@ -1,4 +1,11 @@
-"""`areal-like report RUN_DIR`: a run's metrics as PNG plots and a short text summary."""
+"""`areal-like report RUN_DIR`: a run's metrics as PNG plots and a short text summary.
+
+`report.png`: reward, lag, versions, throughput, idle ratios, off-policy-ness.
+`budget.png`: the step's time budget (docs/design.md §10.19), one stacked bar per pool:
+the mean seconds per step of each phase of the trainer (they add up to the mean wall
+time between steps) and of each activity of the rollout side (summed over servers and
+episodes, which run side by side: its bar is work, not wall time).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from areal_like.core.metrics import read_jsonl
+from areal_like.orchestration.step_budget import ROLLOUT_PHASES, TRAINER_PHASES, budget_of
 
-__all__ = ["make_report"]
+__all__ = ["make_report", "budget_means"]
+
+_COLORS = ["#93c5fd", "#2563eb", "#1e3a8a", "#60a5fa", "#0891b2", "#fbbf24", "#f97316", "#dc2626", "#991b1b",
+           "#fb7185", "#a78bfa", "#7c3aed", "#16a34a", "#9ca3af"]
+"""One colour per phase, by its place in TRAINER_PHASES / ROLLOUT_PHASES: waits blue, training warm."""
 
 
 def _series(recs: list[dict[str, Any]], key: str, x: str = "step") -> tuple[list[float], list[float]]:
@@ -19,8 +31,84 @@ def _series(recs: list[dict[str, Any]], key: str, x: str = "step") -> tuple[list
     return xs, ys
 
 
-def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, str]:
-    """Write `report.png` (+ `report.txt`) and return (png path, summary text)."""
+def budget_means(steps: list[dict[str, Any]], first: int | None = None, last: int | None = None
+                 ) -> dict[str, Any] | None:
+    """Mean seconds per step of each budget phase over the `train_step` records with
+    `first` ≤ step ≤ `last` (default: every step but the first, whose interval holds the
+    start-up): {"steps": (first, last, count), "wall": s, "trainer": {phase: s},
+    "rollout": {phase: s}}, phases in drawing order; None without budget records."""
+    recs = [r for r in steps if "budget_wall_s" in r]
+    if first is None and len(recs) > 1:
+        first = recs[0]["step"] + 1
+    recs = [r for r in recs if (first is None or r["step"] >= first) and (last is None or r["step"] <= last)]
+    if not recs:
+        return None
+    n = len(recs)
+
+    def mean(prefix: str, order: list[str]) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for r in recs:
+            for k, v in budget_of(r, prefix).items():
+                total[k] = total.get(k, 0.0) + v
+        names = [k for k in order if k in total] + sorted(k for k in total if k not in order)
+        return {k: total[k] / n for k in names}
+
+    return {"steps": (recs[0]["step"], recs[-1]["step"], n),
+            "wall": sum(r["budget_wall_s"] for r in recs) / n,
+            "trainer": mean("budget_", [k for k, _ in TRAINER_PHASES]),
+            "rollout": mean("rollout_budget_", [k for k, _, _ in ROLLOUT_PHASES])}
+
+
+_ORDER = {"trainer": [k for k, _ in TRAINER_PHASES], "rollout": [k for k, _, _ in ROLLOUT_PHASES]}
+_LABELS = {**{k: label for k, label in TRAINER_PHASES}, **{k: label for k, _, label in ROLLOUT_PHASES}}
+
+
+def _budget_plot(b: dict[str, Any], png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(13, 6))
+    first, last, n = b["steps"]
+    for ax, pool, title in ((axes[0], "trainer", f"trainer: the phases add up to the wall time between steps "
+                             f"({b['wall']:.3f} s)"),
+                            (axes[1], "rollout", "rollout side: seconds of work per step "
+                             "(Σ servers and episodes, side by side: not wall time)")):
+        left, order = 0.0, _ORDER[pool]
+        for k, v in b[pool].items():
+            if v < 0.0005:  # nothing to see: keep the legend short
+                continue
+            color = _COLORS[order.index(k) % len(_COLORS)] if k in order else "#000000"
+            ax.barh([0], [v], left=left, color=color, label=f"{_LABELS.get(k, k)}: {v:.3f} s")
+            left += v
+        ax.set_yticks([])
+        ax.set_xlabel("seconds per step")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.suptitle(f"time budget per step (mean over steps {first}–{last}, {n} steps)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+
+
+def _budget_lines(b: dict[str, Any], top: int = 6) -> list[str]:
+    first, last, n = b["steps"]
+    lines = [f"time budget per step (mean over steps {first}-{last}, {n} steps; budget.png):"]
+    wall = b["wall"]
+    ranked = sorted(b["trainer"].items(), key=lambda kv: -kv[1])[:top]
+    lines.append(f"  trainer, {wall:.3f} s between steps: "
+                 + ", ".join(f"{_LABELS.get(k, k)} {v:.3f} s ({v / wall:.0%})" for k, v in ranked))
+    rollout = b["rollout"]
+    if rollout:
+        ranked = sorted(rollout.items(), key=lambda kv: -kv[1])[:top]
+        lines.append("  rollout side (seconds of work per step, side by side): "
+                     + ", ".join(f"{_LABELS.get(k, k)} {v:.3f} s" for k, v in ranked))
+    return lines
+
+
+def make_report(run_dir: str | Path, out_dir: str | Path | None = None,
+                budget_steps: tuple[int | None, int | None] = (None, None)) -> tuple[Path, str]:
+    """Write `report.png`, `budget.png` (when the run recorded its time budget) and
+    `report.txt`; return (report.png's path, summary text). `budget_steps` bounds the
+    steps the budget is averaged over (default: all but the first)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,6 +178,9 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple
     png = out / "report.png"
     fig.savefig(png, dpi=80)
     plt.close(fig)
+    budget = budget_means(steps, *budget_steps)
+    if budget is not None:
+        _budget_plot(budget, out / "budget.png")
 
     lines = [f"run: {rd}"]
     if steps:
@@ -106,6 +197,8 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple
     if summary:
         keys = ("trained", "rejected", "filtered", "over_stale", "failed", "skipped", "buffered", "cancelled", "started")
         lines.append("outcomes: " + ", ".join(f"{k}={summary.get(k)}" for k in keys))
+    if budget is not None:
+        lines += _budget_lines(budget)
     text = "\n".join(lines)
     (out / "report.txt").write_text(text + "\n")
     return png, text

@@ -230,6 +230,54 @@
     drawBars("chart-reward-dist", labels, [{ label: "samples", values: buckets.map((b) => b.count) }], false);
   }
 
+  // The newest step's time budget: one stacked horizontal bar per pool, on one seconds axis.
+  // The trainer's phases add up to the wall time since the step before; the rollout side's
+  // are seconds of work in that interval, summed over servers and episodes.
+  const BUDGET_COLORS = ["#93c5fd", "#2563eb", "#1e3a8a", "#60a5fa", "#0891b2", "#fbbf24", "#f97316", "#dc2626",
+    "#991b1b", "#fb7185", "#a78bfa", "#7c3aed", "#16a34a", "#9ca3af"];
+  function drawBudget(d) {
+    const box = document.getElementById("chart-budget");
+    const b = d.budget;
+    if (!b) {
+      empty(box, "no step with a time budget yet");
+      return;
+    }
+    const pools = [["trainer", `trainer (${fmt(b.wall_s)} s wall)`], ["rollout", "rollout (work, Σ servers & episodes)"]];
+    const f = frame(box, 120);
+    const { svg, width, height } = f;
+    const m = { l: 150, r: 10, t: 8, b: 22 };
+    const total = (pool) => Object.values(b[pool] || {}).reduce((a, v) => a + v, 0);
+    const xhi = Math.max(total("trainer"), total("rollout"), 1e-3);
+    const X = (v) => m.l + (v / xhi) * (width - m.l - m.r);
+    for (const tv of niceTicks(0, xhi, 5)) {
+      el("line", { x1: X(tv), x2: X(tv), y1: m.t, y2: height - m.b, class: "gridline" }, svg);
+      el("text", { x: X(tv), y: height - 6, class: "tick", "text-anchor": "middle" }, svg).textContent = fmt(tv) + "s";
+    }
+    const rowH = (height - m.t - m.b) / pools.length;
+    let plotted = 0;
+    const items = [];
+    pools.forEach(([pool, title], pi) => {
+      const y = m.t + pi * rowH + rowH * 0.15;
+      el("text", { x: m.l - 6, y: y + rowH * 0.45, class: "tick", "text-anchor": "end" }, svg).textContent = title;
+      const order = Object.keys((b.labels || {})[pool] || {});
+      let left = 0;
+      for (const [name, v] of Object.entries(b[pool] || {})) {
+        if (!(v > 0)) continue;
+        const i = order.indexOf(name);
+        const color = i < 0 ? "#000000" : BUDGET_COLORS[i % BUDGET_COLORS.length];
+        const label = ((b.labels || {})[pool] || {})[name] || name;
+        const r = el("rect", { x: X(left), y, width: Math.max(0.5, X(left + v) - X(left)), height: rowH * 0.7, fill: color,
+          "data-phase": name }, svg);
+        el("title", {}, r).textContent = `${label}: ${fmt(v)} s`;
+        left += v;
+        plotted += 1;
+        if (v >= 0.0005) items.push({ color, label: `${pool === "trainer" ? "" : "rollout · "}${label}`, value: fmt(v) + "s" });
+      }
+    });
+    legend(box, items);
+    box.setAttribute("data-points", String(plotted));
+  }
+
   function drawSummary(d) {
     const box = document.getElementById("summary");
     const s = d.summary;
@@ -274,6 +322,7 @@
     for (const spec of LINES) drawLines(spec);
     drawLag(d);
     drawRewardDist(d);
+    drawBudget(d);
     drawSummary(d);
   }
 
