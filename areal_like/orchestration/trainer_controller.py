@@ -265,10 +265,11 @@ class TrainerController:
         self._announce(weights=self.resumed_meta, data_position=self.data_position, force=True)
         self.budget = StepBudget()  # the first step's interval starts here
         t_wait = time.time()
+        look_s = 0.05
         while self.trainer.version < cfg.train.total_steps and self.target_reached is None:
             t_loop = time.time()
             with self.budget.phase("wait_data") as wait:  # renamed below when it waited for something else
-                self._drain(timeout_s=0.05)
+                self._drain(timeout_s=look_s)
                 v = self.trainer.version
                 stragglers = self._stragglers(v)
                 groups = None if stragglers else self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
@@ -278,7 +279,11 @@ class TrainerController:
                     if stragglers and self.buffer.num_groups >= cfg.train.batch_size:
                         self.straggler_wait_s += time.time() - t_loop
             if groups is None:
+                look_s = 0.05
                 continue
+            # Right after a step the next batch is often buffered already: look without waiting
+            # for a message (waiting for one cost ~40 ms a quickstart step, docs/benchmarks.md).
+            look_s = 0.0
             self.idle_s += time.time() - t_wait
             t0 = time.time()
             with stop.critical():  # a Ctrl-C here is raised once the step is whole
