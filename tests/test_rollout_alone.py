@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # ~35 s of Ray start and waiting: the slow suite
 
 ROOT = Path(__file__).parent.parent
 CLI = [sys.executable, "-m", "areal_like.orchestration.cli"]

@@ -224,16 +224,16 @@ def _drive(trainer: Any, controller: Any, ref: Any, cleanup: Any) -> dict[str, i
             raise RuntimeError(f"the rollout side stopped before the trainer finished: {out}")
 
     trainer.check_peers = check_rollout
-    finished = False
     try:
         summary = trainer.run()
         ready, _ = actors.wait([ref], timeout=60)
         if ready:
-            finished = True
             log.info("rollout side finished: %s", actors.get(ref))
         return summary
     finally:
-        if not finished:
-            actors.kill(controller)  # its server actors go with it
+        # Finished or not, the controller's process goes now (its server actors with it):
+        # a handle kept alive in a long-lived caller (a notebook, a script that trains
+        # twice, pytest) kept an idle rollout process per run until that caller exited.
+        actors.kill(controller)
         trainer.close()
         cleanup()
