@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,42 @@ def test_a_trainer_killed_between_checkpoints_resumes_with_every_token_true(tiny
     assert max(_weight_sync_seconds(run_dir), default=0.0) < 2.0, _weight_sync_seconds(run_dir)
     for word in ("NotAMemberError", "not ready within", "nothing sent", "still serving"):
         assert word not in out_t + out_r + _run_log(run_dir), word
+    audit = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "audit", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True, env=_env(), timeout=600)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+
+
+def test_a_killed_rollout_side_is_declared_lost_on_time_and_its_replacement_keeps_eta(tiny_model_dir,
+                                                                                     tmp_path) -> None:
+    """`kill -9` of the rollout side: the trainer says so within transport.peer_dead_s
+    (+5 s), even while it waits for a broadcast to the dead servers; a new rollout side
+    joins and the run ends with nothing trained over η (over_stale 0) and counts that
+    add up."""
+    run_dir = tmp_path / "run"
+    train_args, rollout_args = _split_args(tiny_model_dir, run_dir, "train.total_steps=14",
+                                           "run.checkpoint_every_n_steps=4")
+    trainer = Launch(train_args, tmp_path / "train.log", _env())
+    r1 = Launch(rollout_args, tmp_path / "rollout1.log", _env())
+    launches = [trainer, r1]
+    try:
+        _poll("three steps", lambda: max(_steps(run_dir), default=0) >= 3, trainer)
+        os.killpg(r1.p.pid, signal.SIGKILL)  # no goodbye, servers and all
+        killed_at = time.time()
+        r1.wait(timeout=60)
+        _poll("the trainer declaring it lost", lambda: "declared lost" in _run_log(run_dir), trainer, timeout=60)
+        declared_at = time.time()
+        r2 = Launch(rollout_args, tmp_path / "rollout2.log", _env())
+        launches.append(r2)
+        rc_t, out_t = trainer.wait(timeout=400)
+        rc_r, out_r = r2.wait(timeout=120)
+    finally:
+        for launch in launches:
+            launch.kill()
+    assert declared_at - killed_at <= 4 + 5, declared_at - killed_at  # transport.peer_dead_s=4 here
+    assert rc_t == 0, out_t[-4000:]
+    assert rc_r == 0, out_r[-4000:]
+    s = _summary(run_dir)
+    assert s["counts_add_up"] and s["ended"] == "finished" and s["over_stale"] == 0, s
     audit = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "audit", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True, env=_env(), timeout=600)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]

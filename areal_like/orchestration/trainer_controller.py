@@ -673,6 +673,10 @@ class TrainerController:
             startup.mark("rollout_joined")
             self.peers.joined = None
             self._fed_at = 0.0
+            # Its gate must count what earlier controllers sent (trained, dropped, buffered):
+            # a replacement that started from 0 admitted (η + v + 1)·B more and its samples
+            # went over-stale (docs/design.md §10.3).
+            self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
         if isinstance(msg, TrajectoryGroup):
             startup.mark("first_group")
             self._arrived.add(msg.group_id)
