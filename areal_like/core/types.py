@@ -379,7 +379,10 @@ class RolloutCounters(_Strict):
     send_seconds_total: float = 0.0
     """Seconds the rollout controller spent encoding and sending to the trainer."""
     wait_gate_seconds_total: float = 0.0
-    """Seconds the rollout controller admitted nothing because the staleness gate was full."""
+    """Seconds the rollout controller admitted nothing because η's bound was reached: it
+    waits for the trainer's next version to be loaded."""
+    wait_concurrency_seconds_total: float = 0.0
+    """Seconds it admitted nothing because `staleness.max_concurrent` episodes were running."""
     wait_weights_seconds_total: float = 0.0
     """Seconds it admitted nothing while awaiting a restarted trainer's weights."""
     servers: float = 0.0

@@ -128,9 +128,9 @@ class RolloutController:
         self._ignored_runs: set[str] = set()
         """Trainer version when this rollout side started: episode ids stay unique across resumes."""
         self._sending: set[str] = set()
-        self.seconds = {"send": 0.0, "wait_gate": 0.0, "wait_weights": 0.0}
+        self.seconds = {"send": 0.0, "wait_gate": 0.0, "wait_concurrency": 0.0, "wait_weights": 0.0}
         """Cumulative seconds for the step's time budget (docs/design.md §10.19): in `send`,
-        and admitting nothing because the gate was full or the weights were awaited."""
+        and admitting nothing (`_shut`: why)."""
         self._eval_tasks: list[asyncio.Task[None]] = []
         self._evaluated: set[int] = set()
         gate.set_loaded_version(loaded_version)
@@ -153,7 +153,7 @@ class RolloutController:
                 self._wake.clear()
                 if control.done():
                     control.result()  # surface a crashed control task
-                shut = "wait_weights" if self._awaiting_weights else "wait_gate"  # why nothing more was admitted
+                shut = self._shut()
                 t0 = time.perf_counter()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=1.0)
@@ -402,6 +402,17 @@ class RolloutController:
             running_groups=dict(self._admitted),
             failures=self.fail_fast.report(),
         )
+
+    def _shut(self) -> str:
+        """Why the admission loop admits nothing more: awaiting a restarted trainer's weights,
+        η's bound (waiting for the trainer's next version), or `max_concurrent` episodes
+        running (the servers have all the work they may take)."""
+        if self._awaiting_weights:
+            return "wait_weights"
+        g = self.gate
+        if g.capacity - g.accepted - g.s.running < self.n:
+            return "wait_gate"
+        return "wait_concurrency"
 
     async def _send(self, msg: BaseModel) -> None:
         t0 = time.perf_counter()

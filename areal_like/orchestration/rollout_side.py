@@ -34,6 +34,9 @@ class RolloutSide:
     def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
                  user: dict[str, Any] | None = None, placement_group: Any = None, launcher: Any = None) -> None:
         self.cfg = cfg
+        self.started_at = time.monotonic()
+        """`transport.peer_timeout_s` without a trainer counts from here, not from when the
+        servers are up (they take most of a minute to start under Ray)."""
         self.launcher = launcher
         """The local launcher's zygote (`local_actors.Zygote`): servers as plain processes, no Ray."""
         self.user = user or {}
@@ -134,7 +137,7 @@ class RolloutSide:
             )
             await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
                                 address=self.control_addr, pusher=pusher,
-                                flush_s=3 * cfg.transport.heartbeat_s + 1.0)
+                                flush_s=3 * cfg.transport.heartbeat_s + 1.0, started_at=self.started_at)
         finally:
             if getattr(self, "manager", None) is not None:
                 await self.manager.close()

@@ -55,7 +55,8 @@ ROLLOUT_PHASES: tuple[tuple[str, str, str], ...] = (
     ("tools", "tools_seconds_total", "tool calls (Σ episodes)"),
     ("reward", "reward_seconds_total", "reward (Σ episodes)"),
     ("send", "send_seconds_total", "encode + send"),
-    ("wait_gate", "wait_gate_seconds_total", "wait: gate full (next version)"),
+    ("wait_gate", "wait_gate_seconds_total", "wait: η's bound (the next version)"),
+    ("wait_concurrency", "wait_concurrency_seconds_total", "full: max_concurrent episodes run"),
     ("wait_weights", "wait_weights_seconds_total", "wait: weights after a trainer restart"),
 )
 """The rollout side's activities: (name, the cumulative `RolloutCounters` field, label).
