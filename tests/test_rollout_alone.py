@@ -34,7 +34,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 def test_a_rollout_side_with_no_run_folder_and_no_trainer_exits_1_after_peer_timeout(tiny_model_dir, tmp_path) -> None:
-    timeout_s = 15.0
+    timeout_s = 30.0  # above the servers' start-up (~20 s under Ray), which counts in it
     data, control = _free_ports(2)  # nobody listens there
     run_dir = tmp_path / "run"  # absent: a second machine
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
@@ -48,7 +48,7 @@ def test_a_rollout_side_with_no_run_folder_and_no_trainer_exits_1_after_peer_tim
     assert p.stdout is not None
     for line in p.stdout:  # time-stamped as they come
         lines.append((time.monotonic() - t0, line.rstrip("\n")))
-    rc = p.wait(timeout=30)
+    rc = p.wait(timeout=60)
     took = time.monotonic() - t0
     out = "\n".join(f"{t:6.1f} {x}" for t, x in lines)
 
@@ -57,8 +57,7 @@ def test_a_rollout_side_with_no_run_folder_and_no_trainer_exits_1_after_peer_tim
     assert len(errors) == 1, out
     assert f"no trainer answered at tcp://127.0.0.1:{control}" in errors[0] and "transport.peer_timeout_s" in errors[0]
     assert "Traceback" not in out and ".cores" not in out, out
-    # the wait started once the servers were up: its first note says "for 10s"; from there the
-    # side gives up at peer_timeout_s and exits within 10 s of it
-    first_note = next(t for t, x in lines if "no trainer has answered" in x and "for 10s" in x)
-    assert took - (first_note - 10.0) < timeout_s + 10.0, out
+    # peer_timeout_s counts from the command's start (not from when the servers are up):
+    # it exits within 10 s of it
+    assert took < timeout_s + 10.0, out
     assert not run_dir.exists(), "a rollout machine must not create the trainer's run folder"

@@ -39,14 +39,15 @@ class TrainerLostError(RuntimeError):
 async def drive_rollout(controller: RolloutController, subscriber: ControlSubscriber,
                         peer_timeout_s: float | None = None, peer_dead_s: float | None = None,
                         address: str = "the control address", pusher: DataPusher | None = None,
-                        flush_s: float = 7.0) -> None:
+                        flush_s: float = 7.0, started_at: float | None = None) -> None:
     """Run the controller until the trainer says goodbye (or the task is cancelled).
 
     The trainer heartbeats every couple of seconds. Silence longer than `peer_dead_s`
     is logged at once (the trainer is declared gone); the controller keeps its state
     and goes on if the trainer comes back (a restarted trainer re-bases it through a
     newer epoch). Silence longer than `peer_timeout_s` — or no trainer ever heard at
-    `address` for that long — stops the controller and raises `TrainerLostError`.
+    `address` for that long, counted from `started_at` (a `time.monotonic()` value; the
+    rollout side's start, default now) — stops the controller and raises `TrainerLostError`.
 
     With the data channel's `pusher`, the announcements' acknowledgements release its
     frames, it resends what a reconnect may have lost, and a normal stop waits up to
@@ -69,7 +70,7 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
             run_task.cancel()
 
     def listen() -> None:
-        started = time.monotonic()
+        started = time.monotonic() if started_at is None else started_at  # (a time.monotonic() value)
         last: float | None = None
         gone = False
         next_note = started + 10.0
