@@ -468,6 +468,10 @@ class ClusterConfig(_Section):
     every server on this machine, CPU only, starting in a few seconds. `auto`: `local`
     when the run needs nothing Ray gives (no `ray_address`, no GPUs, embedded engine),
     else `ray`."""
+    oversubscribe: bool = False
+    """On one machine: let the two pools ask for more CPUs than the machine has (they then
+    share cores; slower, but e.g. Megatron TP 2 beside a rollout server runs on 2 cores).
+    Off, such a config is refused before anything starts."""
     lend_idle_threads: bool = True
     """On one machine, CPU only: a pool with no work lends its torch threads to the other
     (the train workers add the rollout pool's threads while no server has had work for

@@ -27,10 +27,12 @@ def check_resources(cfg: ExperimentConfig) -> None:
     """Refuse pool sizes this machine cannot hold, before anything starts."""
     cpus = os.cpu_count() or 1
     rp, tp = cfg.cluster.rollout_pool, cfg.cluster.train_pool
-    if cfg.cluster.ray_address is None and rp.num_cpus + tp.num_cpus > cpus:
+    if cfg.cluster.ray_address is None and rp.num_cpus + tp.num_cpus > cpus and not cfg.cluster.oversubscribe:
         raise ConfigError(
             f"cluster.rollout_pool.num_cpus={rp.num_cpus} + cluster.train_pool.num_cpus={tp.num_cpus} "
-            f"exceeds this machine's {cpus} CPUs"
+            f"exceeds this machine's {cpus} CPUs: set cluster.oversubscribe=true to let the pools share cores "
+            "(slower), or start the two clusters as `areal-like train` and `areal-like rollout` "
+            "(docs/launching.md)"
         )
     check_train_device(cfg)
     ranks, what = train_ranks(cfg)
