@@ -127,7 +127,7 @@ def test_a_real_run_records_reports_and_serves_its_budget(tiny_model_dir, tmp_pa
     _png, text = make_report(run_dir, tmp_path / "report")
     plot = tmp_path / "report" / "budget.png"
     assert plot.is_file() and plot.read_bytes().startswith(b"\x89PNG")
-    assert "time budget per step" in text and "train: forward + backward" in text
+    assert "time budget per step" in text and "train: forward + backward" in text and "rollout servers" in text
 
     from areal_like.orchestration.dashboard import build_data
 
@@ -138,3 +138,5 @@ def test_a_real_run_records_reports_and_serves_its_budget(tiny_model_dir, tmp_pa
     assert d["budget"]["trainer"] == pytest.approx(budget_of(last))
     assert d["budget"]["rollout"] == pytest.approx(budget_of(last, "rollout_budget_"))
     assert [name for name in d["budget"]["labels"]["trainer"]] == [n for n, _ in TRAINER_PHASES]
+    grouped = [p for g in d["budget"]["groups"] for p in g["phases"]]
+    assert sorted(grouped) == sorted(d["budget"]["labels"]["rollout"]) == sorted(n for n, _, _ in ROLLOUT_PHASES)

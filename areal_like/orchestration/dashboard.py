@@ -75,10 +75,12 @@ previous reply's `latest_time` as the next `since` and appends):
     budget            the newest step's time budget (docs/design.md §10.19), once a step
                       recorded one: {"step": int, "time": float, "wall_s": float,
                       "trainer": {phase: s}, "rollout": {phase: s},
-                      "labels": {"trainer": {phase: label}, "rollout": {phase: label}}};
+                      "labels": {"trainer": {phase: label}, "rollout": {phase: label}},
+                      "groups": [{"name", "title", "phases": [phase]}]};
                       the trainer's phases add up to wall_s (seconds since the step
                       before), the rollout side's are seconds of work in that interval,
-                      summed over servers and episodes; phases in drawing order
+                      summed over servers and episodes, grouped by where they happen
+                      (servers, controller, episodes); phases in drawing order
     summary           the run's `summary` record (outcome counts); present only
                       once it has been written
 """
@@ -103,7 +105,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from areal_like.core.metrics import MetricsLog, MetricsRegistry
-from areal_like.orchestration.step_budget import ROLLOUT_PHASES, TRAINER_PHASES, budget_of
+from areal_like.orchestration.step_budget import ROLLOUT_GROUPS, ROLLOUT_PHASES, TRAINER_PHASES, budget_of
 
 __all__ = ["Dashboard", "build_data", "SERIES"]
 
@@ -230,6 +232,7 @@ def _budget(rec: dict[str, Any]) -> dict[str, Any]:
         "trainer": ordered(trainer, [k for k, _ in TRAINER_PHASES]),
         "rollout": ordered(rollout, [k for k, _, _ in ROLLOUT_PHASES]),
         "labels": {"trainer": dict(TRAINER_PHASES), "rollout": {k: label for k, _, label in ROLLOUT_PHASES}},
+        "groups": [{"name": name, "title": title, "phases": list(names)} for name, title, names in ROLLOUT_GROUPS],
     }
 
 

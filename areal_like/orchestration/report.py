@@ -1,10 +1,10 @@
 """`areal-like report RUN_DIR`: a run's metrics as PNG plots and a short text summary.
 
 `report.png`: reward, lag, versions, throughput, idle ratios, off-policy-ness.
-`budget.png`: the step's time budget (docs/design.md §10.19), one stacked bar per pool:
-the mean seconds per step of each phase of the trainer (they add up to the mean wall
-time between steps) and of each activity of the rollout side (summed over servers and
-episodes, which run side by side: its bar is work, not wall time).
+`budget.png`: the step's time budget (docs/design.md §10.19), stacked bars of the mean
+seconds per step: the trainer's phases (they add up to the mean wall time between
+steps), then the rollout side's by where they happen (`ROLLOUT_GROUPS`: its servers, its
+controller, the episodes it runs side by side; work summed over them, not wall time).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_like.core.metrics import read_jsonl
-from areal_like.orchestration.step_budget import ROLLOUT_PHASES, TRAINER_PHASES, budget_of
+from areal_like.orchestration.step_budget import ROLLOUT_GROUPS, ROLLOUT_PHASES, TRAINER_PHASES, budget_of
 
 __all__ = ["make_report", "budget_means"]
 
@@ -63,26 +63,41 @@ _ORDER = {"trainer": [k for k, _ in TRAINER_PHASES], "rollout": [k for k, _, _ i
 _LABELS = {**{k: label for k, label in TRAINER_PHASES}, **{k: label for k, _, label in ROLLOUT_PHASES}}
 
 
+def _rows(b: dict[str, Any]) -> list[tuple[str, str, dict[str, float]]]:
+    """(pool, title, {phase: s}) per bar: the trainer, then each group of the rollout side."""
+    rows = [("trainer", f"trainer: the phases add up to the wall time between steps ({b['wall']:.3f} s)",
+             b["trainer"])]
+    rollout, grouped = b["rollout"], set()
+    for _, title, names in ROLLOUT_GROUPS:
+        parts = {k: v for k, v in rollout.items() if k in names}
+        grouped |= set(names)
+        if parts:
+            rows.append(("rollout", f"{title}: {sum(parts.values()):.3f} s of work", parts))
+    rest = {k: v for k, v in rollout.items() if k not in grouped}
+    if rest:
+        rows.append(("rollout", "rollout side, other", rest))
+    return rows
+
+
 def _budget_plot(b: dict[str, Any], png: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(13, 6))
+    rows = _rows(b)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(13, 1.9 * len(rows) + 0.6), squeeze=False)
     first, last, n = b["steps"]
-    for ax, pool, title in ((axes[0], "trainer", f"trainer: the phases add up to the wall time between steps "
-                             f"({b['wall']:.3f} s)"),
-                            (axes[1], "rollout", "rollout side: seconds of work per step "
-                             "(Σ servers and episodes, side by side: not wall time)")):
+    for ax, (pool, title, parts) in zip(axes[:, 0], rows, strict=True):
         left, order = 0.0, _ORDER[pool]
-        for k, v in b[pool].items():
+        for k, v in parts.items():
             if v < 0.0005:  # nothing to see: keep the legend short
                 continue
             color = _COLORS[order.index(k) % len(_COLORS)] if k in order else "#000000"
             ax.barh([0], [v], left=left, color=color, label=f"{_LABELS.get(k, k)}: {v:.3f} s")
             left += v
         ax.set_yticks([])
-        ax.set_xlabel("seconds per step")
+        ax.set_xlabel("seconds per step", fontsize=8)
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        if left > 0:
+            ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.suptitle(f"time budget per step (mean over steps {first}–{last}, {n} steps)")
     fig.tight_layout()
     fig.savefig(png, dpi=80)
@@ -96,11 +111,9 @@ def _budget_lines(b: dict[str, Any], top: int = 6) -> list[str]:
     ranked = sorted(b["trainer"].items(), key=lambda kv: -kv[1])[:top]
     lines.append(f"  trainer, {wall:.3f} s between steps: "
                  + ", ".join(f"{_LABELS.get(k, k)} {v:.3f} s ({v / wall:.0%})" for k, v in ranked))
-    rollout = b["rollout"]
-    if rollout:
-        ranked = sorted(rollout.items(), key=lambda kv: -kv[1])[:top]
-        lines.append("  rollout side (seconds of work per step, side by side): "
-                     + ", ".join(f"{_LABELS.get(k, k)} {v:.3f} s" for k, v in ranked))
+    for _, title, parts in _rows(b)[1:]:
+        ranked = sorted(parts.items(), key=lambda kv: -kv[1])[:top]
+        lines.append(f"  {title}: " + ", ".join(f"{_LABELS.get(k, k)} {v:.3f} s" for k, v in ranked if v >= 0.0005))
     return lines
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["StepBudget", "TRAINER_PHASES", "ROLLOUT_PHASES", "budget_of"]
+__all__ = ["StepBudget", "TRAINER_PHASES", "ROLLOUT_PHASES", "ROLLOUT_GROUPS", "budget_of"]
 
 TRAINER_PHASES: tuple[tuple[str, str], ...] = (
     ("wait_rollout", "wait: no rollout side (connecting, first report)"),
@@ -47,13 +47,13 @@ TRAINER_PHASES: tuple[tuple[str, str], ...] = (
 """The trainer's phases in drawing order, with labels: `budget_<name>_s` in a `train_step` record."""
 
 ROLLOUT_PHASES: tuple[tuple[str, str, str], ...] = (
-    ("generate", "generate_seconds_total", "generate (engine steps, Σ servers)"),
-    ("engine_idle", "engine_idle_seconds_total", "engine idle (Σ servers)"),
-    ("weights", "weights_seconds_total", "receive + load weights (Σ servers)"),
-    ("held", "rollout_held_s", "held for the trainer (colocate, Σ servers)"),
-    ("agent_loop", "agent_loop_seconds_total", "agent loop (Σ episodes)"),
-    ("tools", "tools_seconds_total", "tool calls (Σ episodes)"),
-    ("reward", "reward_seconds_total", "reward (Σ episodes)"),
+    ("generate", "generate_seconds_total", "generate (engine steps)"),
+    ("engine_idle", "engine_idle_seconds_total", "engine idle"),
+    ("weights", "weights_seconds_total", "receive + load weights"),
+    ("held", "rollout_held_s", "held for the trainer (colocate)"),
+    ("agent_loop", "agent_loop_seconds_total", "agent loop (its own, and its turn on the event loop)"),
+    ("tools", "tools_seconds_total", "tool calls"),
+    ("reward", "reward_seconds_total", "reward"),
     ("send", "send_seconds_total", "encode + send"),
     ("wait_gate", "wait_gate_seconds_total", "wait: η's bound (the next version)"),
     ("wait_concurrency", "wait_concurrency_seconds_total", "full: max_concurrent episodes run"),
@@ -63,6 +63,15 @@ ROLLOUT_PHASES: tuple[tuple[str, str, str], ...] = (
 A `train_step` record carries `rollout_budget_<name>_s`, the seconds since the previous
 step. They overlap (servers and episodes run side by side), so they do not add up to
 the wall interval the way the trainer's phases do."""
+
+ROLLOUT_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("servers", "rollout servers (Σ servers)", ("generate", "engine_idle", "weights", "held")),
+    ("controller", "rollout controller", ("send", "wait_gate", "wait_concurrency", "wait_weights")),
+    ("episodes", "episodes (Σ episodes, side by side)", ("agent_loop", "tools", "reward")),
+)
+"""The rollout phases by where they happen, one bar each when drawn: the servers' engines
+(about the servers' wall time), the controller's admission loop and sends, and the
+episodes it runs concurrently (their seconds add up over episodes, far beyond the wall)."""
 
 
 class _Phase:

@@ -230,9 +230,10 @@
     drawBars("chart-reward-dist", labels, [{ label: "samples", values: buckets.map((b) => b.count) }], false);
   }
 
-  // The newest step's time budget: one stacked horizontal bar per pool, on one seconds axis.
-  // The trainer's phases add up to the wall time since the step before; the rollout side's
-  // are seconds of work in that interval, summed over servers and episodes.
+  // The newest step's time budget: one stacked horizontal bar per row, each row on its own
+  // scale (its total is in its title). The trainer's phases add up to the wall time since the
+  // step before; the rollout side's rows (servers, controller, episodes) are seconds of work in
+  // that interval, summed over servers and over episodes running side by side.
   const BUDGET_COLORS = ["#93c5fd", "#2563eb", "#1e3a8a", "#60a5fa", "#0891b2", "#fbbf24", "#f97316", "#dc2626",
     "#991b1b", "#fb7185", "#a78bfa", "#7c3aed", "#16a34a", "#9ca3af"];
   function drawBudget(d) {
@@ -242,36 +243,39 @@
       empty(box, "no step with a time budget yet");
       return;
     }
-    const pools = [["trainer", `trainer (${fmt(b.wall_s)} s wall)`], ["rollout", "rollout (work, Σ servers & episodes)"]];
-    const f = frame(box, 120);
-    const { svg, width, height } = f;
-    const m = { l: 150, r: 10, t: 8, b: 22 };
-    const total = (pool) => Object.values(b[pool] || {}).reduce((a, v) => a + v, 0);
-    const xhi = Math.max(total("trainer"), total("rollout"), 1e-3);
-    const X = (v) => m.l + (v / xhi) * (width - m.l - m.r);
-    for (const tv of niceTicks(0, xhi, 5)) {
-      el("line", { x1: X(tv), x2: X(tv), y1: m.t, y2: height - m.b, class: "gridline" }, svg);
-      el("text", { x: X(tv), y: height - 6, class: "tick", "text-anchor": "middle" }, svg).textContent = fmt(tv) + "s";
+    const labels = b.labels || {};
+    const rows = [{ pool: "trainer", title: `trainer ${fmt(b.wall_s)}s wall`, parts: b.trainer || {} }];
+    for (const g of b.groups || []) {
+      const parts = {};
+      for (const name of g.phases) if (name in (b.rollout || {})) parts[name] = b.rollout[name];
+      const sum = Object.values(parts).reduce((a, v) => a + v, 0);
+      const name = g.name === "episodes" ? "episodes (Σ)" : `rollout ${g.name}`;
+      rows.push({ pool: "rollout", title: `${name} ${fmt(sum)}s work`, parts });
     }
-    const rowH = (height - m.t - m.b) / pools.length;
+    const f = frame(box, 26 * rows.length + 12);
+    const { svg, width } = f;
+    const m = { l: 150, r: 10, t: 6 };
     let plotted = 0;
     const items = [];
-    pools.forEach(([pool, title], pi) => {
-      const y = m.t + pi * rowH + rowH * 0.15;
-      el("text", { x: m.l - 6, y: y + rowH * 0.45, class: "tick", "text-anchor": "end" }, svg).textContent = title;
-      const order = Object.keys((b.labels || {})[pool] || {});
+    rows.forEach((row, ri) => {
+      const y = m.t + ri * 26;
+      el("text", { x: m.l - 6, y: y + 14, class: "tick", "text-anchor": "end" }, svg).textContent = row.title;
+      const total = Object.values(row.parts).reduce((a, v) => a + (v > 0 ? v : 0), 0);
+      if (!(total > 0)) return;
+      const order = Object.keys(labels[row.pool] || {});
+      const X = (v) => m.l + (v / total) * (width - m.l - m.r);
       let left = 0;
-      for (const [name, v] of Object.entries(b[pool] || {})) {
+      for (const [name, v] of Object.entries(row.parts)) {
         if (!(v > 0)) continue;
         const i = order.indexOf(name);
         const color = i < 0 ? "#000000" : BUDGET_COLORS[i % BUDGET_COLORS.length];
-        const label = ((b.labels || {})[pool] || {})[name] || name;
-        const r = el("rect", { x: X(left), y, width: Math.max(0.5, X(left + v) - X(left)), height: rowH * 0.7, fill: color,
+        const label = (labels[row.pool] || {})[name] || name;
+        const r = el("rect", { x: X(left), y, width: Math.max(0.5, X(left + v) - X(left)), height: 20, fill: color,
           "data-phase": name }, svg);
-        el("title", {}, r).textContent = `${label}: ${fmt(v)} s`;
+        el("title", {}, r).textContent = `${label}: ${fmt(v)} s (${Math.round((100 * v) / total)}%)`;
         left += v;
         plotted += 1;
-        if (v >= 0.0005) items.push({ color, label: `${pool === "trainer" ? "" : "rollout · "}${label}`, value: fmt(v) + "s" });
+        if (v >= 0.0005) items.push({ color, label, value: fmt(v) + "s" });
       }
     });
     legend(box, items);
