@@ -413,7 +413,8 @@ class DistWeightSender(WeightSender):
                 rid, _, incarnation = self._ctl.get(f"x{seq}/ready/{i}").decode().partition(" ")
                 ready[rid] = incarnation
 
-        if not self._known and not self._had_receivers:
+        first = not self._known and not self._had_receivers
+        if first:
             # A sender that never had a receiver (a trainer just started or resumed, whose
             # store the rollout side learns from this very announcement): give receivers a
             # moment to join and be ready, rather than send to nobody and leave them
@@ -425,7 +426,10 @@ class DistWeightSender(WeightSender):
 
             _poll(lambda: joined_and_ready() or self._forget_now.is_set(),
                   min(deadline, time.monotonic() + self.first_receivers_s))
-        waited_for = set(self._known)
+        # After that grace, a first transfer goes to whoever is ready: one that joined but
+        # missed this announcement (a subscriber that connected late) is fed the next
+        # version; waiting timeout_s for it held the trainer's next send for that long.
+        waited_for = set(ready) if first else set(self._known)
 
         def all_known_ready() -> bool:
             waited_for.difference_update(self._read_registrations())  # one that left is not waited for
