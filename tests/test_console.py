@@ -27,7 +27,7 @@ def _run(tiny_model_dir, run_dir: Path, *extra: str) -> subprocess.CompletedProc
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.slow)])  # Ray: the slow suite
 def test_the_console_is_quiet_and_the_log_file_has_the_rest(tiny_model_dir, tmp_path, launcher) -> None:
     p = _run(tiny_model_dir, tmp_path / "run", "--set", f"cluster.launcher={launcher}")
     out = p.stdout + p.stderr
@@ -45,7 +45,7 @@ def test_the_console_is_quiet_and_the_log_file_has_the_rest(tiny_model_dir, tmp_
     assert "train[0] INFO" in log and "server-0 INFO" in log and "rollout INFO" in log and "driver INFO" in log
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.slow)])  # Ray: the slow suite
 def test_verbose_brings_the_workers_output_back(tiny_model_dir, tmp_path, launcher) -> None:
     p = _run(tiny_model_dir, tmp_path / "run", "--verbose", "--set", f"cluster.launcher={launcher}")
     out = p.stdout + p.stderr

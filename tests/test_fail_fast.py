@@ -291,6 +291,7 @@ def test_dead_engine_with_a_restart_comes_back_and_the_run_finishes(tiny_model_d
 # it when nothing is in flight and the gate admits nothing new until the side catches up
 # (what CI hit, 2026-11-25). The fake lets calls go on working, so only the update path
 # can notice.
+@pytest.mark.slow  # ~70 s of restarts and backoff: the slow suite (the no-restart case below stays)
 def test_engine_dead_at_a_weight_update_restarts_the_server(tiny_model_dir, tmp_path) -> None:
     rc, out, _ = _launch(tmp_path, tiny_model_dir, after=0, restarts=1, instances=1, on_weights=True)
     assert rc == 0, out[-3000:]
