@@ -161,6 +161,8 @@ class ServerManager:
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._next_name = 0
         self._restarting: dict[str, asyncio.Task[None]] = {}
+        self._closing = False
+        """The run is ending (`begin_close`): a server that fails now is not restarted."""
         self._restart_attempts: dict[str, int] = {}
         self.last_error: BaseException | None = None
         """The last server failure: the root cause when no server is left."""
@@ -257,13 +259,15 @@ class ServerManager:
             return  # another call already took it out
         self.num_failures += 1
         self.last_error = error
-        logger.warning(
+        (logger.info if self._closing else logger.warning)(
             "rollout server %s failed (%s); taking it out of rotation", name, error_headline(error)
         )
         self.remove_server(name)
         if self.on_server_failure is not None:
             self.on_server_failure(name, error)
-        if self.restart is not None and self._restart_attempts.get(name, 0) < self.max_restarts:
+        if self._closing:
+            logger.info("rollout server %s: not restarted, the run is ending", name)
+        elif self.restart is not None and self._restart_attempts.get(name, 0) < self.max_restarts:
             self._restarting[name] = asyncio.get_running_loop().create_task(
                 self._restart(name, error), name=f"restart-{name}"
             )
@@ -303,8 +307,16 @@ class ServerManager:
         finally:
             self._restarting.pop(name, None)
 
+    def begin_close(self) -> None:
+        """The run is ending: no server is restarted from now on (one that fails is only
+        taken out of rotation), and pending restarts are cancelled."""
+        self._closing = True
+        for t in self._restarting.values():
+            t.cancel()
+
     async def close(self) -> None:
         """Cancel pending restarts (the run is ending)."""
+        self.begin_close()
         tasks = list(self._restarting.values())
         for t in tasks:
             t.cancel()

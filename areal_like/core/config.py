@@ -519,6 +519,10 @@ class EvalConfig(_Section):
     """Held-out problems per evaluation."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampled decoding temperature for evaluation."""
+    final_timeout_s: float = Field(300.0, gt=0.0)
+    """The last version's evaluation at the end of a run gets at most this long (the
+    training episodes are cancelled first, so it has the servers to itself); the trainer
+    waits for it and says so on the console. Ctrl-C skips it."""
 
 
 class ExperimentConfig(_Section):

@@ -408,6 +408,15 @@ class EvalResult(_Strict):
     num_samples: int
 
 
+class EvalProgress(_Strict):
+    """A held-out evaluation under way: `done` of `total` samples scored with `version`'s
+    weights (the trainer says it while it waits for the last one at the end of a run)."""
+
+    version: int = Field(ge=0)
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+
+
 class EpisodeFailures(_Strict):
     """Why the rollout side's episodes fail, for the trainer's console (the rollout side's
     own log is not on it): the first error, led by the user's file and line when user
@@ -448,6 +457,11 @@ class RolloutStats(_Strict):
     than step past it (docs/design.md §10.4)."""
     failures: EpisodeFailures | None = None
     """Set once an episode has failed (docs/design.md §10.13)."""
+    stopping: bool = False
+    """The rollout side is winding down (it had the trainer's goodbye): cancelling its
+    episodes, finishing the last evaluation, then the `final` report."""
+    eval_progress: EvalProgress | None = None
+    """The evaluation under way, if any."""
 
     def flat(self) -> dict[str, float]:
         """One flat record for metrics.jsonl and the dashboard (`gate_*`, `outcome_*`,
@@ -487,6 +501,9 @@ class VersionAnnouncement(_Strict):
     stop: bool = False
     """Goodbye: the run is over (or the trainer is stopping): the rollout side stops admitting,
     cancels what runs, reports final counts and exits."""
+    final_eval: bool = True
+    """With `stop`: evaluate the last version before the final report (false after Ctrl-C:
+    the user asked for the run to stop now)."""
     run_id: str = ""
     """The run this trainer serves (stable across resumes)."""
     epoch: int = Field(0, ge=0)

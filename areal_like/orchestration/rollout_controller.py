@@ -29,6 +29,7 @@ from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import (
     AgentLoopOutput,
     EpisodeOutcomes,
+    EvalProgress,
     EvalResult,
     GateSnapshot,
     Origin,
@@ -133,6 +134,9 @@ class RolloutController:
         and admitting nothing (`_shut`: why)."""
         self._eval_tasks: list[asyncio.Task[None]] = []
         self._evaluated: set[int] = set()
+        self._eval_progress: dict[int, EvalProgress] = {}
+        """Version → the evaluation under way (reported while the run ends)."""
+        self._skip_evals = False
         gate.set_loaded_version(loaded_version)
 
     # ---- the schedule ---------------------------------------------------------------
@@ -167,6 +171,10 @@ class RolloutController:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+
+    async def stopping(self) -> None:
+        """Returns once the controller winds down (the trainer's goodbye, or `stop()`)."""
+        await self._stop.wait()
 
     def _spawn_group(self, row: dict[str, Any]) -> None:
         gid = f"s{self.seed}-r{self._incarnation}{f'e{self.epoch}' if self.epoch else ''}-g{self._group_seq}"
@@ -333,7 +341,10 @@ class RolloutController:
         if ann.hold and not ann.stop and ann.hold != self._held:
             await self._hold(ann.hold)
         if ann.stop:
-            self._start_eval(self.loaded_version)  # the final version is always evaluated
+            if ann.final_eval:
+                self._start_eval(self.loaded_version)  # the final version is always evaluated
+            else:
+                self._skip_evals = True  # Ctrl-C on the trainer: stop now
             self.stop()
         self._wake.set()
 
@@ -401,6 +412,8 @@ class RolloutController:
             held=self._held,
             running_groups=dict(self._admitted),
             failures=self.fail_fast.report(),
+            stopping=self._stop.is_set(),
+            eval_progress=max(self._eval_progress.values(), key=lambda p: p.version, default=None),
         )
 
     def _shut(self) -> str:
@@ -437,6 +450,8 @@ class RolloutController:
 
     async def _evaluate(self, version: int) -> None:
         """Sampled accuracy on held-out rows with the weights of `version` (not trained on)."""
+        progress = self._eval_progress[version] = EvalProgress(version=version, done=0, total=len(self.eval_rows))
+
         async def one(k: int, row: dict[str, Any]) -> float:
             sp = self.eval_sampling.model_copy(update={"seed": _episode_seed(self.seed + 7, f"eval{version}", k)})
             try:
@@ -446,9 +461,14 @@ class RolloutController:
                 raise
             except Exception:
                 return 0.0
+            finally:
+                progress.done += 1
 
         t0 = time.time()
-        scores = await asyncio.gather(*(one(k, r) for k, r in enumerate(self.eval_rows)))
+        try:
+            scores = await asyncio.gather(*(one(k, r) for k, r in enumerate(self.eval_rows)))
+        finally:
+            self._eval_progress.pop(version, None)
         acc = sum(1 for s in scores if s >= 1.0) / max(len(scores), 1)
         stats = RolloutStats(
             kind="eval",
@@ -462,20 +482,26 @@ class RolloutController:
         await self._send(self._stamp(stats))
 
     async def _shutdown(self, control: asyncio.Task[None], stats: asyncio.Task[None]) -> None:
-        for t in (control, stats):
-            t.cancel()
-        pending = [t for t in self._eval_tasks if not t.done()]
-        if pending and self.fail_fast.tripped is None:
-            # The last version's evaluation is the one users look at: let it finish (not
-            # when episodes keep failing: it would fail too, and the error waits for it).
-            await asyncio.wait(pending, timeout=self.eval_timeout_s)
-        for t in self._eval_tasks:
-            t.cancel()
+        """Wind down in the order that frees the servers soonest: cancel the training
+        episodes (nothing will train them), then let the last evaluation finish on idle
+        servers, reporting progress all along (the trainer waits for the final report as
+        long as it hears from this side), then the final report."""
+        control.cancel()
         running = list(self._groups)
         for t in running:
             if t.get_name() not in self._sending:
                 t.cancel()
-        await asyncio.gather(*running, control, stats, *self._eval_tasks, return_exceptions=True)
+        await asyncio.gather(*running, control, return_exceptions=True)
+        pending = [t for t in self._eval_tasks if not t.done()]
+        if pending and self.fail_fast.tripped is None and not self._skip_evals:
+            # The last version's evaluation is the one users look at: let it finish (not
+            # when episodes keep failing: it would fail too, and the error waits for it).
+            await self._send(self._stamp(self._stats()))  # the trainer hears at once what it waits for
+            await asyncio.wait(pending, timeout=self.eval_timeout_s)
+        stats.cancel()
+        for t in self._eval_tasks:
+            t.cancel()
+        await asyncio.gather(stats, *self._eval_tasks, return_exceptions=True)
         self.cancelled = self.gate.s.running
         self.gate.on_cancel(self.cancelled)
         await self._send(self._stamp(self._stats("final")))

@@ -52,6 +52,7 @@ class RolloutSide:
                 )
         self.placement_group = placement_group
         self.pool: Any = None
+        self.manager: Any = None
         self._rates = _Rates()
         self._weights_lock = asyncio.Lock()
         self._version = 0
@@ -129,17 +130,22 @@ class RolloutSide:
                 counters=self.counters,
                 eval_rows=self._eval_rows(),
                 eval_every=cfg.eval.every_n_steps,
+                eval_timeout_s=cfg.eval.final_timeout_s,
                 eval_sampling=sampling.model_copy(update={"temperature": cfg.eval.temperature}),
                 loaded_version=0,
                 seed=cfg.run.seed,
                 episode_timeout_s=cfg.agent.episode_timeout_s,
                 fail_fast=FailFast.from_config(cfg.agent),
             )
-            await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
-                                address=self.control_addr, pusher=pusher,
-                                flush_s=3 * cfg.transport.heartbeat_s + 1.0, started_at=self.started_at)
+            closing = asyncio.create_task(self._no_restarts_once(controller), name="no-restarts-at-stop")
+            try:
+                await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
+                                    address=self.control_addr, pusher=pusher,
+                                    flush_s=3 * cfg.transport.heartbeat_s + 1.0, started_at=self.started_at)
+            finally:
+                closing.cancel()
         finally:
-            if getattr(self, "manager", None) is not None:
+            if self.manager is not None:
                 await self.manager.close()
             if self.pool is not None:
                 await self.pool.close()
@@ -152,6 +158,13 @@ class RolloutSide:
                 remove_placement_group(own_pg)
         return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes,
                 "servers": {n: s.model_dump() for n, s in self.pool.per_server().items()}}
+
+    async def _no_restarts_once(self, controller: Any) -> None:
+        """From the trainer's goodbye on, a server that fails (the run's end tearing things
+        down) is not restarted."""
+        await controller.stopping()
+        if self.manager is not None:
+            self.manager.begin_close()
 
     # ---- building ------------------------------------------------------------------------
     async def _build_servers_and_runner(self) -> Any:

@@ -181,6 +181,8 @@ class TrainerController:
         self._drops_unannounced = False
         self._fed_at = time.time()
         self._stopping = False
+        self._final_eval = True
+        """With the stop: whether the rollout side evaluates the last version first."""
         self._sent_at = time.time()
         """When weights were last sent (a rollout report must come later to say it lags)."""
         self._rollout_at = 0.0
@@ -244,9 +246,13 @@ class TrainerController:
         side's final counts briefly and write the summary, so the run reads as stopped,
         not crashed, and `--resume` continues it."""
         log.info("stop requested at v%d: writing a final checkpoint and the summary", self.trainer.version)
+        self._final_eval = False  # the user wants out: no last evaluation
         self._announce_stop()
+        # The rollout side's final counts first (it cancels its episodes: seconds), while
+        # its channel is read; then the checkpoint, which may take long on a big model.
+        self._collect_final(reason="interrupted")
         self._abort_checkpoint()
-        summary = self._finish(wait_s=10.0, reason="interrupted")
+        summary = self._finish(reason="interrupted", wait=False)
         return RunInterrupted(summary, self._resume_hint())
 
     def _announce_stop(self) -> None:
@@ -645,6 +651,7 @@ class TrainerController:
             weight_store=self.weights.rendezvous,
             data_position=data_position,
             stop=self._stopping,
+            final_eval=self._final_eval,
             hold=0 if self._stopping else self._hold,
             run_id=self.peers.run_id,
             epoch=self.peers.epoch,
@@ -740,24 +747,57 @@ class TrainerController:
         self.run_dir.mark_complete(ckpt, {"version": v, "time": time.time()})
         self.run_dir.prune_checkpoints(keep=2)
 
-    def _finish(self, wait_s: float = 60.0, reason: str = "finished") -> dict[str, int]:
-        self._end_transfer()  # the last version reaches the engines before the stop (its evaluation)
+    def _collect_final(self, reason: str) -> None:
+        """Wait for the accepted rollout side's final report, re-announcing the stop and
+        reading the data channel, for as long as that side is heard from (it reports every
+        couple of seconds while it cancels its episodes and finishes the last evaluation),
+        at most the last evaluation's bound plus a margin (`eval.final_timeout_s`; after
+        Ctrl-C, which skips that evaluation, a short one). Said on the console every ~10 s."""
         self._stopping = True
-        startup.reset()  # a next run in this process measures its own
-        deadline = time.time() + wait_s
-        while self.peers.accepted is not None and time.time() < deadline and (
-                self.peers.accepted_final() is None or self.peers.missing_before_final(self.puller.acks(self.peers.epoch))):
+        margin = 4 * self.cfg.transport.heartbeat_s + 10.0
+        bound = margin + (self.cfg.eval.final_timeout_s if self._final_eval else 10.0)
+        t0 = time.time()
+        next_note = t0 + 10.0
+        waiting = self._waiting_final
+        while waiting() and (now := time.time()) < t0 + bound and now - self.peers.heard_at < self.peers.dead_s:
             self._announce(force=True)
             self._drain(timeout_s=0.2)
+            if time.time() >= next_note:
+                next_note = time.time() + 10.0
+                self._say(self._final_note(t0 + bound - time.time()))
         if self.peers.accepted_final() is not None:
             self._announce(force=True)  # acknowledges the final report: the rollout side exits on it
             time.sleep(0.2)  # PUB drops what is unsent at close
-        if self.peers.accepted is not None and self.peers.accepted_final() is None:
-            # After Ctrl-C the short wait is the user's wish, not a fault (the rollout side
-            # may still be finishing its last evaluation): said in the log, not as an ERROR.
+        elif self.peers.accepted is not None:
+            silent = time.time() - self.peers.heard_at
+            why = (f"it has been silent for {silent:.0f}s (transport.peer_dead_s)" if silent >= self.peers.dead_s
+                   else f"within {time.time() - t0:.0f}s (eval.final_timeout_s plus a margin)")
+            # After Ctrl-C the short wait is the user's wish, not a fault: said in the log, not as an ERROR.
             (log.info if reason == "interrupted" else log.error)(
-                "the rollout side did not report its final counts within %.0fs: what it started and did not "
-                "deliver is counted as cancelled", wait_s)
+                "the rollout side did not report its final counts: %s; what it started and did not deliver "
+                "is counted as cancelled", why)
+
+    def _waiting_final(self) -> bool:
+        return self.peers.accepted is not None and (
+            self.peers.accepted_final() is None or self.peers.missing_before_final(self.puller.acks(self.peers.epoch)))
+
+    def _final_note(self, left_s: float) -> str:
+        r = self.rollout
+        what = []
+        if r is not None and r.eval_progress is not None:
+            p = r.eval_progress
+            what.append(f"evaluating v{p.version}: {p.done}/{p.total} samples")
+        if r is not None and r.running:
+            what.append(f"{r.running} episodes still running")
+        doing = "; ".join(what) or "cancelling its episodes"
+        return f"stopping: waiting for the rollout side's final report ({doing}); at most {max(left_s, 0):.0f}s more"
+
+    def _finish(self, reason: str = "finished", wait: bool = True) -> dict[str, int]:
+        self._end_transfer()  # the last version reaches the engines before the stop (its evaluation)
+        self._stopping = True
+        startup.reset()  # a next run in this process measures its own
+        if wait:
+            self._collect_final(reason)
         started = self.started_before_resume + self.peers.started()
         summary = self.buffer.summary(started=started, cancelled=self.peers.cancelled())
         ok = TrajectoryBuffer.counts_add_up(summary)
