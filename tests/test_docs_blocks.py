@@ -1,4 +1,4 @@
-"""Every code block of README.md and docs/tutorial.md runs as written (#30), so the docs
+"""Every code block of README.md, docs/tutorial.md and docs/launching.md runs as written (#30, #31), so the docs
 cannot drift from the code.
 
 What a block is, read from the markdown itself:
@@ -18,7 +18,9 @@ test it, one per line:
   steps, a throwaway output folder); OLD must be in the block, so the directive
   cannot outlive the command it shortens;
 - `<!-- docs-test: creates PATH -->`: PATH (relative to where the block ran) must exist
-  afterwards.
+  afterwards;
+- `<!-- docs-test: finally `COMMAND` -->`: COMMAND runs after the block, whether it passed
+  or not (`ray stop --force` after a block that starts a Ray cluster).
 
 The blocks of one doc share a folder and run in order: README.md's in a copy of the
 repository's tracked files (its commands run from the repository root), with `.venv`
@@ -42,7 +44,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = {"README.md": "repo", "docs/tutorial.md": "empty"}
+DOCS = {"README.md": "repo", "docs/tutorial.md": "empty", "docs/launching.md": "repo"}
 """Each doc and where its blocks run: a copy of the repository, or an empty folder."""
 
 PENDING: dict[tuple[str, str], str] = {}
@@ -52,6 +54,7 @@ _FENCE = re.compile(r"^```([\w-]*)\s*$")
 _DIRECTIVE = re.compile(r"^<!-- docs-test: (.*?) -->\s*$")
 _LABEL = re.compile(r"^`([^`\s]+)`:\s*$")
 _REPLACE = re.compile(r"^replace `([^`]+)` with `([^`]*)`$")
+_FINALLY = re.compile(r"^finally `([^`]+)`$")
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Block:
     skip: str | None = None
     replace: list[tuple[str, str]] = field(default_factory=list)
     creates: list[str] = field(default_factory=list)
+    cleanup: list[str] = field(default_factory=list)
 
     @property
     def id(self) -> str:
@@ -114,6 +118,8 @@ def _apply(block: Block, directive: str) -> None:
         block.creates.append(rest.strip())
     elif (r := _REPLACE.match(directive)) is not None:
         block.replace.append((r.group(1), r.group(2)))
+    elif (f := _FINALLY.match(directive)) is not None:
+        block.cleanup.append(f.group(1))
     else:
         raise AssertionError(f"{block.id}: unknown docs-test directive {directive!r}")
 
@@ -187,7 +193,11 @@ def run_block(b: Block, ws: Workspace) -> None:
         cmd = ["bash", "-e", "-o", "pipefail", "-c", code] if b.lang == "bash" else [sys.executable, "-c", code]
         timeout = 900 if b.slow else 300
         ws.failed.add(b.id)  # until it has passed
-        run = subprocess.run(cmd, cwd=ws.root, env=_env(), capture_output=True, text=True, timeout=timeout)
+        try:
+            run = subprocess.run(cmd, cwd=ws.root, env=_env(), capture_output=True, text=True, timeout=timeout)
+        finally:
+            for c in b.cleanup:
+                subprocess.run(["bash", "-c", c], cwd=ws.root, env=_env(), capture_output=True, timeout=120)
         assert run.returncode == 0, (f"{b.id} exited {run.returncode}\n--- block as run ---\n{code}"
                                      f"--- stdout ---\n{run.stdout[-3000:]}\n--- stderr ---\n{run.stderr[-3000:]}")
     for p in b.creates:
