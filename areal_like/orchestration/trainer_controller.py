@@ -248,11 +248,7 @@ class TrainerController:
         log.info("stop requested at v%d: writing a final checkpoint and the summary", self.trainer.version)
         self._final_eval = False  # the user wants out: no last evaluation
         self._announce_stop()
-        # The rollout side's final counts first (it cancels its episodes: seconds), while
-        # its channel is read; then the checkpoint, which may take long on a big model.
-        self._collect_final(reason="interrupted")
-        self._abort_checkpoint()
-        summary = self._finish(reason="interrupted", wait=False)
+        summary = self._finish(reason="interrupted")
         return RunInterrupted(summary, self._resume_hint())
 
     def _announce_stop(self) -> None:
@@ -324,8 +320,6 @@ class TrainerController:
                     with self.budget.phase("checkpoint"):  # in the next step's record
                         self.checkpoint()
             t_wait = time.time()
-        if not (self.run_dir.checkpoint_dir(self.trainer.version) / "COMPLETE").is_file():
-            self.checkpoint()  # the final weights on disk before the summary: an export that fails can be redone
         return self._finish(reason="target_reached" if self.target_reached is not None else "finished")
 
     def _stragglers(self, v: int) -> list[str]:
@@ -754,12 +748,16 @@ class TrainerController:
         at most the last evaluation's bound plus a margin (`eval.final_timeout_s`; after
         Ctrl-C, which skips that evaluation, a short one). Said on the console every ~10 s."""
         self._stopping = True
+        log.info("the run ends at v%d (%s): announced the stop; waiting for the rollout side's final report",
+                 self.trainer.version, reason)
         margin = 4 * self.cfg.transport.heartbeat_s + 10.0
         bound = margin + (self.cfg.eval.final_timeout_s if self._final_eval else 10.0)
         t0 = time.time()
         next_note = t0 + 10.0
         waiting = self._waiting_final
-        while waiting() and (now := time.time()) < t0 + bound and now - self.peers.heard_at < self.peers.dead_s:
+        # Silence counts from now at the earliest: the trainer did not read while it saved
+        # its last checkpoint, which may take longer than peer_dead_s on a big model.
+        while waiting() and (now := time.time()) < t0 + bound and now - max(self.peers.heard_at, t0) < self.peers.dead_s:
             self._announce(force=True)
             self._drain(timeout_s=0.2)
             if time.time() >= next_note:
@@ -769,7 +767,7 @@ class TrainerController:
             self._announce(force=True)  # acknowledges the final report: the rollout side exits on it
             time.sleep(0.2)  # PUB drops what is unsent at close
         elif self.peers.accepted is not None:
-            silent = time.time() - self.peers.heard_at
+            silent = time.time() - max(self.peers.heard_at, t0)
             why = (f"it has been silent for {silent:.0f}s (transport.peer_dead_s)" if silent >= self.peers.dead_s
                    else f"within {time.time() - t0:.0f}s (eval.final_timeout_s plus a margin)")
             # After Ctrl-C the short wait is the user's wish, not a fault: said in the log, not as an ERROR.
@@ -792,12 +790,18 @@ class TrainerController:
         doing = "; ".join(what) or "cancelling its episodes"
         return f"stopping: waiting for the rollout side's final report ({doing}); at most {max(left_s, 0):.0f}s more"
 
-    def _finish(self, reason: str = "finished", wait: bool = True) -> dict[str, int]:
+    def _finish(self, reason: str = "finished") -> dict[str, int]:
+        """The end, in the order that keeps the rollout side's channel read: the last
+        version to the engines (for its evaluation), the goodbye and the final report,
+        then the last checkpoint (long on a big model), then the summary."""
         self._end_transfer()  # the last version reaches the engines before the stop (its evaluation)
         self._stopping = True
         startup.reset()  # a next run in this process measures its own
-        if wait:
-            self._collect_final(reason)
+        self._collect_final(reason)
+        if reason == "interrupted":
+            self._abort_checkpoint()
+        elif not (self.run_dir.checkpoint_dir(self.trainer.version) / "COMPLETE").is_file():
+            self.checkpoint()  # the final weights on disk before the summary: an export that fails can be redone
         started = self.started_before_resume + self.peers.started()
         summary = self.buffer.summary(started=started, cancelled=self.peers.cancelled())
         ok = TrajectoryBuffer.counts_add_up(summary)
