@@ -117,9 +117,7 @@ def _config(args: ExperimentConfig | dict[str, Any] | str | Path | None,
     validated as the CLI validates them (a `ConfigError` names a wrong key)."""
     import json
 
-    from pydantic import ValidationError
-
-    from areal_like.core.config import ConfigError, apply_overrides
+    from areal_like.core.config import validate_config
 
     # JSON is YAML: each value arrives as the type it was given (a string stays a string)
     items = ([f"{k}={json.dumps(v)}" for k, v in overrides.items()] if isinstance(overrides, dict)
@@ -128,10 +126,7 @@ def _config(args: ExperimentConfig | dict[str, Any] | str | Path | None,
         return load_config(args, items)
     data = args.model_dump(mode="json") if isinstance(args, ExperimentConfig) else dict(args or {})
     source = args.source if isinstance(args, ExperimentConfig) else None
-    try:
-        cfg = ExperimentConfig.model_validate(apply_overrides(data, items) if items else data)
-    except ValidationError as e:
-        raise ConfigError(f"GRPOTrainer args: {e}") from None
+    cfg = validate_config(data, items, "in GRPOTrainer args")
     if source is not None:
         cfg.source = source
     return cfg

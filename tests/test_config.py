@@ -139,6 +139,17 @@ def test_switching_variant_drops_file_keys_but_refuses_explicit_foreign_keys(cap
         load_config("configs/quickstart.yaml", ["rollout.engine.type=vllm", "rollout.engine.max_batch_size=4"])
 
 
+def test_only_a_switched_variant_drops_unknown_file_keys(tmp_path):
+    """`dataset.type` is a choice inside one section, not a union of sections: a wrong
+    key in the file is refused, not dropped, when an override sets it."""
+    bad = tmp_path / "c.yaml"
+    bad.write_text("dataset:\n  type: generated\n  colour: blue\nrollout:\n  engine:\n    type: embedded\n    colour: red\n")
+    with pytest.raises(ConfigError, match="dataset.colour: unknown key"):
+        load_config(bad, ["dataset.type=jsonl", f"dataset.path={tmp_path / 'x.jsonl'}", "rollout.engine.type=vllm"])
+    with pytest.raises(ConfigError, match=r"unknown key 'colour' at rollout\.engine"):
+        load_config(bad, ["rollout.engine.type=vllm", "rollout.engine.colour=1"])  # set by an override: kept
+
+
 def test_weight_sync_is_a_union_chosen_by_type(tmp_path):
     from areal_like.core.config import DiskWeightSyncConfig, DistWeightSyncConfig
 

@@ -315,3 +315,39 @@ def test_grafana_dashboard_queries_only_registry_metrics() -> None:
     assert used and used <= known, sorted(used - known)
     # Every registry metric appears on some panel.
     assert {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used} >= {f.name for f in MetricsRegistry().registry.collect()}
+
+
+def test_a_given_port_is_used_a_busy_one_raises_and_ipv6_urls_are_bracketed(run) -> None:
+    """`metrics.dashboard_port` as given; a port in use is an OSError from `start()` (the
+    caller sees it before the run goes on); an IPv6 bind prints `http://[::1]:port/`."""
+    import errno
+    import socket
+
+    mlog, registry, _ = run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    dash = Dashboard(mlog, registry, port=free)
+    assert dash.start() == f"http://127.0.0.1:{free}/"
+    try:
+        busy = Dashboard(mlog, registry, port=free)
+        with pytest.raises(OSError) as e:
+            busy.start()
+        assert e.value.errno == errno.EADDRINUSE and busy.url == ""
+        busy.stop()  # nothing started: a no-op
+        assert _get(dash.url + "health")[0] == 200
+        with pytest.raises(urllib.error.HTTPError) as post:
+            urllib.request.urlopen(urllib.request.Request(dash.url + "health", data=b"x", method="POST"), timeout=10)
+        assert post.value.code == 501  # only GET is served
+    finally:
+        dash.stop()
+    if socket.has_ipv6:
+        six = Dashboard(mlog, registry, host="::1")
+        try:
+            url = six.start()
+        except OSError:
+            return  # no IPv6 loopback here
+        try:
+            assert url == f"http://[::1]:{six.port}/" and _get(url + "health")[0] == 200
+        finally:
+            six.stop()

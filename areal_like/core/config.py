@@ -11,9 +11,11 @@ reference (`scripts/gen_config_reference.py`) and the dotted `--set` paths have 
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Collection
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -25,6 +27,7 @@ __all__ = [
     "ExperimentConfig",
     "load_config",
     "apply_overrides",
+    "validate_config",
     "RunConfig",
     "ModelConfig",
     "DatasetConfig",
@@ -591,136 +594,131 @@ class ExperimentConfig(_Section):
         return self.train.batch_size * self.rollout.group_size
 
 
-def _format_validation(e: ValidationError, where: str) -> str:
+def _format_validation(e: ValidationError, where: str, override_paths: Collection[tuple[str, ...]] = ()) -> str:
+    """One line per error, each naming its dotted key path (union members by their `type`)."""
     lines = [f"invalid config {where}:"]
     for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or True)
+        loc = ".".join(str(p) for p in err["loc"])
         got = err.get("input")
         got_s = repr(got)
         if len(got_s) > 80:
             got_s = got_s[:77] + "..."
         msg = err["msg"]
+        models, path = _walk(err["loc"])
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            section = ".".join(str(p) for p in err["loc"][:-1]) or "top level"
+            fields = sorted({f for m in _walk(err["loc"][:-1])[0] for f in m.model_fields if f != "source"})
+            msg = f"unknown key {err['loc'][-1]!r} at {section}" + (f"; valid keys: {fields}" if fields else "")
+        elif isinstance(got, dict) and not models and any(len(o) > len(path) and o[:len(path)] == path
+                                                          for o in override_paths):
+            # a leaf that an override went through: `--set train.lr.x=1` made `train.lr` a mapping
+            lines.append(f"  {loc} is not a section: {msg} (got {got_s})")
+            continue
         lines.append(f"  {loc}: {msg} (got {got_s})")
     return "\n".join(lines)
 
 
+def _walk(loc: tuple[int | str, ...]) -> tuple[list[type[BaseModel]], tuple[int | str, ...]]:
+    """The config sections at a pydantic error location (several for a union not yet
+    chosen; none for a leaf or an unknown key) and the location as a key path, without
+    the `type` tags pydantic puts in it for a union's chosen member."""
+    models: list[type[BaseModel]] = [ExperimentConfig]
+    path: list[int | str] = []
+    for p in loc:
+        if isinstance(p, int):
+            path.append(p)  # an item of a list of sections
+            continue
+        if len(models) > 1:  # p is the tag of the union member pydantic validated against
+            models = [m for m in models if p in _literal_values(m, "type")]
+            continue
+        field = models[0].model_fields.get(p) if models else None
+        path.append(p)
+        ann = field.annotation if field is not None else None
+        models = [a for a in (get_args(ann) or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models, tuple(path)
+
+
+def _literal_values(model: type[BaseModel], name: str) -> tuple[Any, ...]:
+    field = model.model_fields.get(name)
+    return get_args(field.annotation) if field is not None else ()
+
+
+def _override_path(item: str) -> tuple[tuple[str, ...], str]:
+    """`KEY=VALUE` as the dotted key's parts and the raw value."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. train.lr=1e-5")
+    key, raw = item.split("=", 1)
+    parts = tuple(key.strip().split("."))
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty part in key {key.strip()!r}")
+    return parts, raw
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `KEY=VALUE` overrides (dotted keys, YAML-parsed values) to a raw dict."""
+    """Set `KEY=VALUE` overrides (dotted keys, YAML-parsed values) into a raw dict. Keys and
+    values are checked when the result is validated (`validate_config`)."""
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. train.lr=1e-5")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        parts = key.split(".")
-        if not all(parts):
-            raise ConfigError(f"override {item!r}: empty part in key {key!r}")
+        parts, raw = _override_path(item)
+        key = ".".join(parts)
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {e}") from None
-        _check_key_path(parts, item)
         node = data
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {key}: {p} is not a section")
-            node = nxt
+        for i, p in enumerate(parts[:-1]):
+            if node.get(p) is None:
+                node[p] = {}
+            if not isinstance(node[p], dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
+            node = node[p]
         node[parts[-1]] = value
     return data
 
 
-def _check_key_path(parts: list[str], item: str) -> None:
-    """Refuse override keys that name no config field, listing what is valid there."""
-    model: Any = ExperimentConfig
-    for i, p in enumerate(parts):
-        fields = getattr(model, "model_fields", None)
-        if fields is None:
-            return  # free-form dict (e.g. tool config): anything goes below here
-        if p not in fields:
-            where = ".".join(parts[:i]) or "top level"
-            raise ConfigError(
-                f"override {item!r}: unknown key {p!r} at {where}; valid keys: {sorted(fields)}"
-            )
-        ann = fields[p].annotation
-        sub = _section_type(ann)
-        if sub is None:
-            if i < len(parts) - 1 and ann is not dict and "dict" not in str(ann):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
-            return
-        model = sub
+def validate_config(data: dict[str, Any], overrides: list[str] | None = None,
+                    where: str = "(defaults)") -> ExperimentConfig:
+    """`data` with `overrides` applied, validated by the models; a `ConfigError` names
+    `where`, each wrong key path and what it expects."""
+    overrides = list(overrides or [])
+    set_paths = {_override_path(item)[0] for item in overrides}
+    data = apply_overrides(copy.deepcopy(data), overrides)  # the caller's dict stays as it was
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        error = e
+    if _drop_other_variant_keys(data, error, set_paths, where):
+        try:
+            return ExperimentConfig.model_validate(data)
+        except ValidationError as e:
+            error = e
+    shown = where + (" with overrides " + " ".join(overrides) if overrides else "")
+    raise ConfigError(_format_validation(error, shown, set_paths))
 
 
-def _section_type(ann: Any) -> Any:
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    args = getattr(ann, "__args__", None) or ()
-    metadata_origin = getattr(ann, "__origin__", None)
-    if metadata_origin is not None and not args:
-        return None
-    # Annotated[Union[...], ...] or Union: a backend union; accept the keys of any member.
-    members = []
-    stack = list(args)
-    while stack:
-        a = stack.pop()
-        if isinstance(a, type) and issubclass(a, BaseModel):
-            members.append(a)
-        else:
-            stack.extend(getattr(a, "__args__", ()) or ())
-    if not members:
-        return None
-    if len(members) == 1:
-        return members[0]
-    return _UnionFields(members)
-
-
-class _UnionFields:
-    def __init__(self, members: list[type[BaseModel]]) -> None:
-        self.members = members
-        self.model_fields: dict[str, Any] = {}
-        for m in members:
-            self.model_fields.update(m.model_fields)
-
-
-def _drop_other_variant_keys(data: dict[str, Any], overrides: list[str], where: str) -> None:
+def _drop_other_variant_keys(data: dict[str, Any], error: ValidationError, set_paths: set[tuple[str, ...]],
+                             where: str) -> bool:
     """`--set rollout.engine.type=vllm` on a file written for the embedded engine: the
-    file's embedded-only keys (`max_batch_size`, ...) would be refused as unknown. When an
-    override switches a section's variant, drop the keys the new variant does not have
-    (keys set by an override are kept, so a real mistake is still refused), with a note."""
-    set_keys = {item.split("=", 1)[0].strip() for item in overrides}
-    for key in set_keys:
-        parts = key.split(".")
-        if parts[-1] != "type" or len(parts) < 2:
-            continue
-        model: Any = ExperimentConfig
-        for p in parts[:-2]:
-            model = _section_type(model.model_fields[p].annotation) if p in getattr(model, "model_fields", {}) else None
-            if model is None:
-                break
-        field = getattr(model, "model_fields", {}).get(parts[-2]) if model is not None else None
-        union = _section_type(field.annotation) if field is not None else None
-        if not isinstance(union, _UnionFields):
-            continue
-        node: Any = data
-        for p in parts[:-1]:
-            node = node.get(p) if isinstance(node, dict) else None
-        chosen = [m for m in union.members if node and node.get("type") in _literal_values(m, "type")]
-        if not chosen:
-            continue
-        section = ".".join(parts[:-1])
-        foreign = [k for k in node if k not in chosen[0].model_fields and f"{section}.{k}" not in set_keys]
-        for k in foreign:
-            del node[k]
-        if foreign:
-            log.warning("%s=%s: dropped keys of the other variant from %s: %s", key, node["type"], where,
-                        ", ".join(f"{section}.{k}" for k in foreign))
+    file's embedded-only keys (`max_batch_size`, ...) are refused as unknown. In a section
+    whose variant an override switched, drop those keys (keys set by an override are
+    kept, so a real mistake is still refused), with a note; say whether any were."""
+    switched = {p[:-1] for p in set_paths if len(p) > 1 and p[-1] == "type"}
+    dropped: dict[tuple[int | str, ...], list[str]] = {}
+    for err in error.errors():
+        loc, path = err["loc"], _walk(err["loc"])[1]
+        in_variant = len(loc) > 1 and len(_walk(loc[:-2])[0]) > 1  # loc[-2] is a union member's tag
+        if err["type"] == "extra_forbidden" and in_variant and path[:-1] in switched and path not in set_paths:
+            del _get(data, path[:-1])[path[-1]]
+            dropped.setdefault(path[:-1], []).append(".".join(map(str, path)))
+    for section, keys in dropped.items():
+        log.warning("%s.type=%s: dropped keys of the other variant from %s: %s", ".".join(map(str, section)),
+                    _get(data, section).get("type"), where, ", ".join(keys))
+    return bool(dropped)
 
 
-def _literal_values(model: type[BaseModel], name: str) -> tuple[Any, ...]:
-    return getattr(model.model_fields[name].annotation, "__args__", ())
+def _get(data: Any, path: tuple[int | str, ...]) -> Any:
+    for p in path:
+        data = data[p]
+    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -741,14 +739,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded
-    if overrides:
-        data = apply_overrides(data, list(overrides))
-        _drop_other_variant_keys(data, list(overrides), where)
-        where += " with overrides " + " ".join(overrides)
-    try:
-        cfg = ExperimentConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_validation(e, where)) from None
+    cfg = validate_config(data, overrides, where)
     if path is not None:
         cfg.source = str(Path(path).resolve())
     return cfg

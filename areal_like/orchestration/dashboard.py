@@ -4,9 +4,10 @@ Why it looks like this. The trainer side owns the run folder and every number th
 reaches it (docs/design.md §9.6), so the dashboard reads exactly what `metrics.jsonl`
 gets — the `MetricsLog`'s in-memory `recent` records — plus the `MetricsRegistry`
 for `/metrics` and for the reward distribution (records carry only the step mean,
-the registry's `areal_like_reward` histogram sees every trained sample). It runs a
-standard-library `ThreadingHTTPServer` on a daemon thread: no event loop to share
-with the caller, nothing to install, and the caller never blocks. The page is plain
+the registry's `areal_like_reward` histogram sees every trained sample). It is an
+aiohttp app, like the rollout server's API, on an event loop of its own in a daemon
+thread: no event loop to share with the (synchronous) caller, and the caller never
+blocks. The page is plain
 HTML with a small hand-written SVG chart script shipped in the package
 (`areal_like/assets/dashboard/`); nothing is fetched at run time (docs/design.md §9.22),
 which the page's Content-Security-Policy (`default-src 'self'`) also enforces.
@@ -87,21 +88,23 @@ previous reply's `latest_time` as the next `since` and appends):
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from areal_like.core.metrics import MetricsLog, MetricsRegistry
@@ -316,79 +319,25 @@ def _is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve anywhere, so it needs a token
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    dashboard: Dashboard
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # socketserver would print the traceback to stderr; keep it in the run's log.
-        log.exception("dashboard request from %s failed", client_address)
+_UNAUTHORIZED = b"a token is required: ?token=... or Authorization: Bearer ..."
+# What http.server's handler called itself, kept so the headers stay as they were.
+_SERVER_HEADER = f"areal_like-dashboard Python/{sys.version.split()[0]}"
 
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+def _response(status: HTTPStatus, body: bytes, ctype: str, extra: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=body, headers={
+        "Server": _SERVER_HEADER, "Content-Type": ctype, "Cache-Control": "no-store",
+        "X-Content-Type-Options": "nosniff", **(extra or {})})
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    server_version = "areal_like-dashboard"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (base-class signature)
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-        d = self.server.dashboard
-        url = urlsplit(self.path)
-        query = parse_qs(url.query)
-        path = url.path
-        if path == "/health":
-            self._send(HTTPStatus.OK, b'{"ok":true}', "application/json")
-            return
-        if path.startswith("/static/"):
-            name = path[len("/static/"):]
-            if name not in _ASSETS:
-                self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
-                return
-            self._send(HTTPStatus.OK, d._assets[name], _ASSETS[name] + "; charset=utf-8")
-            return
-        if not self._authorized(d.token, query):
-            self._send(HTTPStatus.UNAUTHORIZED, b"a token is required: ?token=... or Authorization: Bearer ...",
-                       "text/plain", extra={"WWW-Authenticate": "Bearer"})
-            return
-        if path in ("/", "/index.html"):
-            self._send(HTTPStatus.OK, d._assets[_PAGE], "text/html; charset=utf-8", extra={"Content-Security-Policy": _CSP})
-        elif path == "/api/data":
-            try:
-                since = float(query.get("since", ["0"])[0])
-            except ValueError:
-                self._send(HTTPStatus.BAD_REQUEST, b"since must be a number (UNIX seconds)", "text/plain")
-                return
-            body = json.dumps(d.data(since), separators=(",", ":"), allow_nan=False).encode()
-            self._send(HTTPStatus.OK, body, "application/json")
-        elif path == "/metrics":
-            self._send(HTTPStatus.OK, d.registry.exposition(), CONTENT_TYPE_LATEST)
-        else:
-            self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
-
-    def _authorized(self, token: str | None, query: dict[str, list[str]]) -> bool:
-        if token is None:
-            return True
-        given = query.get("token", [""])[0]
-        auth = self.headers.get("Authorization", "")
-        if auth.startswith("Bearer "):
-            given = auth[len("Bearer "):].strip()
-        return hmac.compare_digest(given.encode(), token.encode())
-
-    def _send(self, status: HTTPStatus, body: bytes, ctype: str, extra: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(body)
+def _authorized(token: str | None, request: web.Request, query: dict[str, list[str]]) -> bool:
+    if token is None:
+        return True
+    given = query.get("token", [""])[0]
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        given = auth[len("Bearer "):].strip()
+    return hmac.compare_digest(given.encode(), token.encode())
 
 
 class Dashboard:
@@ -422,7 +371,8 @@ class Dashboard:
         self.token = token
         self.run_name = run_name
         self.url = ""
-        self._server: _Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._assets: dict[str, bytes] = {}
         self._start_time: float | None = None
@@ -435,30 +385,97 @@ class Dashboard:
             self._start_time = _number(records[0].get("time"))
         return build_data(records, self.registry, since=since, run_name=self.run_name, start_time=self._start_time)
 
+    async def _handle(self, request: web.Request) -> web.Response:
+        try:
+            return self._route(request)
+        except Exception:
+            log.exception("dashboard request from %s failed", request.remote)
+            return _response(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error", "text/plain")
+
+    def _route(self, request: web.Request) -> web.Response:
+        if request.method != "GET":
+            return _response(HTTPStatus.NOT_IMPLEMENTED, b"only GET is served", "text/plain")
+        # The path as sent, not percent-decoded or dot-normalised: only exact names match
+        # (leading slashes collapse to one, as http.server does, so `//x` is no host name).
+        raw = request.raw_path
+        url = urlsplit("/" + raw.lstrip("/") if raw.startswith("//") else raw)
+        query = parse_qs(url.query)
+        path = url.path
+        if path == "/health":
+            return _response(HTTPStatus.OK, b'{"ok":true}', "application/json")
+        if path.startswith("/static/"):
+            name = path[len("/static/"):]
+            if name not in _ASSETS:
+                return _response(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
+            return _response(HTTPStatus.OK, self._assets[name], _ASSETS[name] + "; charset=utf-8")
+        if not _authorized(self.token, request, query):
+            return _response(HTTPStatus.UNAUTHORIZED, _UNAUTHORIZED, "text/plain", extra={"WWW-Authenticate": "Bearer"})
+        if path in ("/", "/index.html"):
+            return _response(HTTPStatus.OK, self._assets[_PAGE], "text/html; charset=utf-8",
+                             extra={"Content-Security-Policy": _CSP})
+        if path == "/api/data":
+            try:
+                since = float(query.get("since", ["0"])[0])
+            except ValueError:
+                return _response(HTTPStatus.BAD_REQUEST, b"since must be a number (UNIX seconds)", "text/plain")
+            body = json.dumps(self.data(since), separators=(",", ":"), allow_nan=False).encode()
+            return _response(HTTPStatus.OK, body, "application/json")
+        if path == "/metrics":
+            return _response(HTTPStatus.OK, self.registry.exposition(), CONTENT_TYPE_LATEST)
+        return _response(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
+
     def start(self) -> str:
-        if self._server is not None:
+        if self._runner is not None:
             return self.url
         folder = resources.files("areal_like") / "assets" / "dashboard"
         self._assets = {name: (folder / name).read_bytes() for name in (_PAGE, *_ASSETS)}
-        cls = _Server6 if ":" in self.host else _Server
-        server = cls((self.host, self.port), _Handler)
-        server.dashboard = self
-        self._server = server
-        self.port = server.server_address[1]
+        # Bound here, on the caller's thread, so a port in use raises OSError from start().
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="areal_like-dashboard", daemon=True)
+        thread.start()
+
+        async def serve() -> None:
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+
+        try:
+            asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=30)
+        except BaseException:
+            sock.close()
+            self._loop, self._runner, self._thread = loop, runner, thread
+            self.stop()
+            raise
+        self._loop, self._runner, self._thread = loop, runner, thread
+        self.port = sock.getsockname()[1]
         shown = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{shown}:{self.port}/"
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="areal_like-dashboard", daemon=True)
-        self._thread.start()
         log.info("dashboard at %s%s", self.url, " (append ?token=...)" if self.token else "")
         return self.url
 
     def stop(self) -> None:
-        if self._server is None:
+        if self._runner is None or self._loop is None:
             return
-        self._server.shutdown()
-        self._server.server_close()
+        loop, runner = self._loop, self._runner
+        try:
+            # closes the listening socket and the open connections
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=5)
+        except Exception:
+            log.exception("dashboard shutdown failed")
+        loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._server = None
+            if not self._thread.is_alive():
+                loop.close()
+        self._runner = None
+        self._loop = None
         self._thread = None
