@@ -67,6 +67,9 @@ def test_a_100m_run_ended_by_total_steps_ends_in_order(model_100m: Path, tmp_pat
         launch.kill()
     assert rc == 0, out[-4000:]
     _check_end(out, run_dir, "announced the stop")
+    log = (run_dir / "run.log").read_text(errors="replace")
+    # The long save of the last checkpoint comes after the final report, not before it.
+    assert log.index("the run ends at v2") < log.index("saved checkpoint v2"), log[-3000:]
     evals = [r for r in _records(run_dir) if r["kind"] == "eval"]
     assert any(e["version"] == 2 for e in evals), evals  # the last version's evaluation reached the trainer
     assert launch.left_behind() == []

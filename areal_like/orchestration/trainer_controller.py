@@ -316,7 +316,9 @@ class TrainerController:
                                "eval_version": self.telemetry.evals[-1]["version"]}
                     self.on_step(rec)
                     self.wait_notes.printed()
-                if not skipped and self._due(cfg.run.checkpoint_every_n_steps):
+                if not skipped and self.trainer.version < cfg.train.total_steps \
+                        and self.trainer.version % cfg.run.checkpoint_every_n_steps == 0:
+                    # (the last step's checkpoint is written by _finish, after the final report)
                     with self.budget.phase("checkpoint"):  # in the next step's record
                         self.checkpoint()
             t_wait = time.time()
