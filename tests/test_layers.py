@@ -1,8 +1,9 @@
 """The layers of docs/design.md §4, checked on the source (every import, lazy ones too).
 
     orchestration (areal_like.orchestration, areal_like.api, bench)   may import anything
-    rollout_cluster, train_cluster        -> core, tasks, models, weight_sync; never each other
+    rollout_cluster, train_cluster        -> core, tasks, models, weight_sync, launcher; never each other
     weight_sync                           -> core
+    launcher (areal_like.launcher)        -> core
     models, tasks                         -> core
     core                                  -> nothing of the project, nothing heavy
 
@@ -23,6 +24,7 @@ LAYER_OF = [  # longest prefix first
     ("areal_like.orchestration", "orchestration"),
     ("areal_like.api", "orchestration"),
     ("areal_like.plan", "orchestration"),
+    ("areal_like.launcher", "launcher"),
     ("areal_like.core", "core"),
     ("areal_like.tasks", "tasks"),
     ("areal_like.models", "models"),
@@ -36,9 +38,11 @@ ALLOWED = {
     "tasks": {"core", "tasks"},
     "models": {"core", "models"},
     "weight_sync": {"core", "weight_sync"},
-    "rollout_cluster": {"core", "tasks", "models", "weight_sync", "rollout_cluster"},
-    "train_cluster": {"core", "tasks", "models", "weight_sync", "train_cluster"},
-    "orchestration": {"core", "tasks", "models", "weight_sync", "rollout_cluster", "train_cluster", "orchestration"},
+    "launcher": {"core", "launcher"},
+    "rollout_cluster": {"core", "tasks", "models", "weight_sync", "launcher", "rollout_cluster"},
+    "train_cluster": {"core", "tasks", "models", "weight_sync", "launcher", "train_cluster"},
+    "orchestration": {"core", "tasks", "models", "weight_sync", "launcher", "rollout_cluster", "train_cluster",
+                      "orchestration"},
 }
 
 
@@ -140,3 +144,4 @@ def test_contracts_import_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"contracts pulled in heavy modules: {out.stdout.strip()}"
+
