@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from cachetools import Cache, LRUCache
 
 from areal_like.core.types import GenerateResult, SamplingParams
 
@@ -115,6 +116,14 @@ RayServer = ActorServer
 """The adapter's name from when only Ray ran servers."""
 
 
+class _SessionLRU(LRUCache):  # type: ignore[misc]
+    """session → server name, least recently used out first."""
+
+    def sessions_of(self, name: str) -> list[str]:
+        """The sessions on server `name`, leaving the recency order as it is."""
+        return [s for s in list(self) if Cache.__getitem__(self, s) == name]
+
+
 @dataclass
 class _Slot:
     server: Any
@@ -148,7 +157,7 @@ class ServerManager:
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
         self._slots: dict[str, _Slot] = {}
-        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._sticky: _SessionLRU = _SessionLRU(maxsize=max_sticky_sessions)
         self._next_name = 0
         self._restarting: dict[str, asyncio.Task[None]] = {}
         self._restart_attempts: dict[str, int] = {}
@@ -177,7 +186,7 @@ class ServerManager:
         """Take a server out of rotation. Calls already on it finish there; its sessions move."""
         if self._slots.pop(name, None) is None:
             raise KeyError(f"no server named {name!r}; servers: {sorted(self._slots)}")
-        for session in [s for s, n in self._sticky.items() if n == name]:
+        for session in self._sticky.sessions_of(name):
             del self._sticky[session]
 
     @property
@@ -205,17 +214,13 @@ class ServerManager:
     # --- routing ----------------------------------------------------------------------
 
     def _pick(self, session_id: str) -> str:
-        name = self._sticky.get(session_id)
+        name = self._sticky.get(session_id)  # a hit is the most recently used now
         if name is not None and name in self._slots:
-            self._sticky.move_to_end(session_id)
             return name
         if not self._slots:
             raise self._none_left() from self.last_error
         name = min(self._slots, key=lambda n: (self._slots[n].in_flight, self._slots[n].served))
-        self._sticky[session_id] = name
-        self._sticky.move_to_end(session_id)
-        while len(self._sticky) > self.max_sticky_sessions:
-            self._sticky.popitem(last=False)
+        self._sticky[session_id] = name  # the least recently used goes when it is full
         return name
 
     def none_left(self) -> NoServerAvailableError | None:

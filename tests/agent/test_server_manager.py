@@ -262,3 +262,16 @@ def test_restart_budget_is_bounded_then_no_server(tokenizer: Any) -> None:
     asyncio.run(main())
     assert attempts[1] - attempts[0] >= 0.1 * 0.9  # the second attempt waited twice the backoff
 
+
+def test_sticky_map_evicts_the_least_recently_used_session(tokenizer: Any) -> None:
+    """A session used again is the most recent (cachetools' LRUCache); taking a server out
+    forgets its sessions without touching the others' order."""
+    manager = ServerManager(servers(tokenizer, 2), max_sticky_sessions=3)
+    for s in ("s0", "s1", "s2"):
+        manager._pick(s)
+    manager._pick("s0")  # used again: s1 is now the oldest
+    manager._pick("s3")
+    assert set(manager._sticky) == {"s0", "s2", "s3"}
+    gone = manager._sticky["s2"]
+    manager.remove_server(gone)
+    assert all(manager._sticky[s] != gone for s in manager._sticky)
