@@ -115,12 +115,14 @@ async def _rollout_rate(cfg: Any, model: Path, n_requests: int, prompt_len: int,
     import random
 
     from areal_like.core.types import SamplingParams
-    from areal_like.orchestration.pools import place, rollout_bundles
+    from areal_like.launcher import connect
+    from areal_like.orchestration.pools import rollout_bundles
     from areal_like.orchestration.server_pool import ServerPool
     from rollout_cluster.server_manager import ServerManager
 
-    pg = await asyncio.to_thread(place, "rollout_pool", rollout_bundles(cfg))
-    pool = ServerPool(cfg, model, pg)
+    launcher = connect("ray")
+    pg = await asyncio.to_thread(launcher.place, "rollout_pool", rollout_bundles(cfg))
+    pool = ServerPool(cfg, model, pg, launcher=launcher)
     try:
         manager = ServerManager(await pool.start())
         rng = random.Random(0)
@@ -139,9 +141,7 @@ async def _rollout_rate(cfg: Any, model: Path, n_requests: int, prompt_len: int,
         return {"tokens_per_s": round(statistics.median(rates), 1)}
     finally:
         await pool.close()
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(pg)
+        launcher.remove(pg)
 
 
 def bench_rollout(model: Path, root: Path, servers: list[int], total_threads: int, requests: int = 64,
@@ -159,11 +159,13 @@ def bench_rollout(model: Path, root: Path, servers: list[int], total_threads: in
 
 # ---- 2. weight sync: old path against new path -------------------------------------------
 def _servers(cfg: Any, model: Path, tag: str) -> tuple[Any, Any]:
-    from areal_like.orchestration.pools import place, rollout_bundles
+    from areal_like.launcher import connect
+    from areal_like.orchestration.pools import rollout_bundles
     from areal_like.orchestration.server_pool import ServerPool
 
-    pg = place("rollout_pool", rollout_bundles(cfg))
-    pool = ServerPool(cfg, model, pg)
+    launcher = connect("ray")
+    pg = launcher.place("rollout_pool", rollout_bundles(cfg))
+    pool = ServerPool(cfg, model, pg, launcher=launcher)
     pool.names = [f"{tag}-{n}" for n in pool.names]
     return pool, pg
 
@@ -173,9 +175,8 @@ async def _start(pool: Any) -> None:
 
 
 def bench_weight_sync(size: int, root: Path, reps: int, servers: int = 2) -> dict[str, Any]:
-    from ray.util.placement_group import remove_placement_group
-
     from areal_like.core.config import DistWeightSyncConfig
+    from areal_like.launcher import connect
     from train_cluster.worker_group import TrainWorkerGroup
     from weight_sync.dist import DistWeightSender
 
@@ -229,8 +230,7 @@ def bench_weight_sync(size: int, root: Path, reps: int, servers: int = 2) -> dic
             finally:
                 if pool is not None:
                     loop.run_until_complete(pool.close())
-                if pg is not None:
-                    remove_placement_group(pg)
+                connect("ray").remove(pg)
     finally:
         loop.close()
         group.shutdown()
@@ -275,18 +275,16 @@ def main() -> None:
         "servers": "1", "total_threads": 1, "sizes": "1", "reps": 1, "weight_servers": 1, "requests": 8, "prompt_len": 8, "gen_len": 8})
     parts = set(args.parts.split(","))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    from areal_like.orchestration.launch import init_ray, ray_env
+    from areal_like.launcher.ray_launcher import RayLauncher, ray_env
 
     for k, v in ray_env().items():
         os.environ.setdefault(k, v)
     result: dict[str, Any] = {"bench": "scale_out", "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        import ray
-
         if parts & {"rollout", "weights"}:
-            init_ray(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": ray_env()})
+            launcher = RayLauncher(num_cpus=8)  # an embedded Ray of at least 8 CPUs (this machine's, if more)
+            launcher.up()
             try:
                 if "rollout" in parts:
                     result["rollout"] = bench_rollout(ROOT / "areal_like/assets/quickstart_model", root,
@@ -296,7 +294,7 @@ def main() -> None:
                     result["weight_sync"] = {f"{s}M": bench_weight_sync(s, root, args.reps, args.weight_servers)
                                              for s in (int(x) for x in args.sizes.split(","))}
             finally:
-                ray.shutdown()
+                launcher.shutdown()
         if args.learn_steps:
             result["learning"] = bench_learning(root, args.learn_steps)
     recorder.finish(result)

@@ -1,11 +1,12 @@
-"""One inference server as its own Ray actor (docs/design.md §10.2).
+"""One inference server as its own actor (docs/design.md §10.2; a Ray actor or a plain
+process, whichever launcher started it: `areal_like.launcher`).
 
 `ServerActor` is the body of the actor: a `RolloutServer` (embedded engine or vLLM)
 with its own device — the CPU threads of its placement-group bundle, or the GPUs Ray
 gave it — and its own end of the weight transport, so versions go from the trainer's
 rank 0 straight into this process (or, for vLLM, into its workers), never through the
 rollout controller. The controller holds only the handle: it routes generate calls
-(`RayServer` in `server_manager`), tells the server to join the weight group and to
+(`ActorServer` in `server_manager`), tells the server to join the weight group and to
 receive a version, and polls its metrics.
 
 Async actor: generate calls run concurrently on the actor's event loop; the engine
@@ -27,20 +28,12 @@ __all__ = ["ServerActor", "ServerStartError"]
 log = logging.getLogger(__name__)
 
 
-def _ray() -> Any:
-    """Ray, when this process is a Ray actor; None in a local launcher's process."""
-    import sys
-
-    ray = sys.modules.get("ray")
-    return ray if ray is not None and ray.is_initialized() else None
-
-
 class ServerStartError(RuntimeError):
     """A server could not start: the message names the server and its device first."""
 
 
 class ServerActor:
-    """Body of one server actor; construct with `ray.remote(ServerActor).options(...)`."""
+    """Body of one server actor; start it with a launcher's `spawn(ServerActor, ...)`."""
 
     def __init__(self, name: str, model_path: str, engine_config: dict[str, Any], *, interrupt_mode: str,
                  seed: int, threads: int, weight_sync: dict[str, Any], default_disk_path: str,
@@ -95,20 +88,19 @@ class ServerActor:
         return self.info()
 
     def device(self) -> str:
-        """`cuda:<ids>` of the GPUs Ray gave this actor, else `cpu (<n> threads)`."""
-        ray = _ray()
-        gpus = ray.get_gpu_ids() if ray is not None else []
+        """`cuda:<ids>` of the GPUs the launcher gave this actor, else `cpu (<n> threads)`."""
+        from areal_like.launcher import here
+
+        gpus = here()["gpu_ids"]
         if gpus:
             return "cuda (GPU " + ",".join(str(g) for g in gpus) + ")"
         return f"cpu ({self._args[4]} threads)"
 
     def info(self) -> dict[str, Any]:
-        ray = _ray()
-        if ray is not None:
-            node_id, node_ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-        else:  # a plain process of the local launcher (areal_like/orchestration/local_actors.py)
-            node_id, node_ip = "local", "127.0.0.1"
-        return {"name": self.name, "node_id": node_id, "node_ip": node_ip,
+        from areal_like.launcher import here
+
+        where = here()  # a plain process of the local launcher: "local", the loopback address
+        return {"name": self.name, "node_id": where["node_id"], "node_ip": where["node_ip"],
                 "pid": os.getpid(), "device": self.device(),
                 "version": self.server.version if self.server is not None else 0}
 

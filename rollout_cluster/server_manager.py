@@ -8,7 +8,7 @@ of millions of episodes does not grow it without bound; agent loops also release
 their session when the episode ends.
 
 A server that fails (its `generate` raises one of `failure_exceptions`:
-connection, OS, timeout, runtime or Ray errors) is taken out of rotation, its
+connection, OS, timeout or runtime errors, the launcher's `ActorDied` among them) is taken out of rotation, its
 sticky sessions are forgotten so they move to other servers, and the call is
 retried elsewhere: a server death costs the episode one regenerated turn, never the
 episode. Other exceptions (a `ValueError` for an over-long prompt, say) are the
@@ -26,18 +26,18 @@ it instead of failing episode after episode.
 
 Servers are any objects with `async generate(*, request_id, prompt_ids,
 sampling_params) -> GenerateResult`: an in-process `RolloutServer`, an adapter over
-a Ray actor handle, or an HTTP client.
+an actor's handle (`ActorServer`), or an HTTP client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from cachetools import Cache, LRUCache
 
 from areal_like.core.types import GenerateResult, SamplingParams
 
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "GenerateServer",
+    "ActorServer",
     "NoServerAvailableError",
     "RayServer",
     "ServerManager",
@@ -84,22 +85,19 @@ def error_headline(error: BaseException) -> str:
 
 
 def default_failure_exceptions() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "this server is broken". Ray's are included only when Ray is
-    already imported, so using the manager never imports Ray."""
-    errors: tuple[type[BaseException], ...] = (ConnectionError, OSError, TimeoutError, RuntimeError, EOFError)
-    ray_exceptions = sys.modules.get("ray.exceptions")
-    if ray_exceptions is not None:
-        errors += (ray_exceptions.RayError,)
-    return errors
+    """Exceptions that mean "this server is broken": the launcher's `ActorDied` (a dead
+    actor) and `ActorCallError` (what the server raised could not travel) are
+    RuntimeErrors, whichever launcher runs it."""
+    return (ConnectionError, OSError, TimeoutError, RuntimeError, EOFError)
 
 
-class RayServer:
-    """A Ray actor handle (or a local launcher's, same face) of a `RolloutServer` seen
-    as a plain async server.
+class ActorServer:
+    """An actor's handle (`areal_like.launcher`, either launcher) of a `RolloutServer`
+    seen as a plain async server.
 
-    `handle.generate.remote(...)` returns an awaitable `ObjectRef`; a dead actor
-    raises a `RayActorError`, which the manager treats as a server failure; an error the
-    server raised is re-raised as itself (a `ValueError` for a bad request stays one).
+    `handle.generate.remote(...)` returns an awaitable ref; a dead actor raises
+    `ActorDied`, which the manager treats as a server failure; an error the server raised
+    comes back as itself (a `ValueError` for a bad request stays the request's fault).
     """
 
     def __init__(self, handle: Any, name: str | None = None) -> None:
@@ -109,20 +107,21 @@ class RayServer:
     async def generate(
         self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
     ) -> GenerateResult:
-        try:
-            return await self.handle.generate.remote(
-                request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
-            )
-        except Exception as e:
-            ray_exceptions = sys.modules.get("ray.exceptions")
-            if ray_exceptions is None or not isinstance(e, ray_exceptions.RayTaskError):
-                raise  # a local actor re-raises the server's own error; a dead one, ActorDiedError
-            # The server raised: its own error, not Ray's wrapping (which is also a RayError
-            # and would read as a dead server): a refused request stays the request's fault.
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
+        return await self.handle.generate.remote(
+            request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+        )
+
+
+RayServer = ActorServer
+"""The adapter's name from when only Ray ran servers."""
+
+
+class _SessionLRU(LRUCache):  # type: ignore[misc]
+    """session → server name, least recently used out first."""
+
+    def sessions_of(self, name: str) -> list[str]:
+        """The sessions on server `name`, leaving the recency order as it is."""
+        return [s for s in list(self) if Cache.__getitem__(self, s) == name]
 
 
 @dataclass
@@ -158,7 +157,7 @@ class ServerManager:
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
         self._slots: dict[str, _Slot] = {}
-        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._sticky: _SessionLRU = _SessionLRU(maxsize=max_sticky_sessions)
         self._next_name = 0
         self._restarting: dict[str, asyncio.Task[None]] = {}
         self._closing = False
@@ -189,7 +188,7 @@ class ServerManager:
         """Take a server out of rotation. Calls already on it finish there; its sessions move."""
         if self._slots.pop(name, None) is None:
             raise KeyError(f"no server named {name!r}; servers: {sorted(self._slots)}")
-        for session in [s for s, n in self._sticky.items() if n == name]:
+        for session in self._sticky.sessions_of(name):
             del self._sticky[session]
 
     @property
@@ -217,17 +216,13 @@ class ServerManager:
     # --- routing ----------------------------------------------------------------------
 
     def _pick(self, session_id: str) -> str:
-        name = self._sticky.get(session_id)
+        name = self._sticky.get(session_id)  # a hit is the most recently used now
         if name is not None and name in self._slots:
-            self._sticky.move_to_end(session_id)
             return name
         if not self._slots:
             raise self._none_left() from self.last_error
         name = min(self._slots, key=lambda n: (self._slots[n].in_flight, self._slots[n].served))
-        self._sticky[session_id] = name
-        self._sticky.move_to_end(session_id)
-        while len(self._sticky) > self.max_sticky_sessions:
-            self._sticky.popitem(last=False)
+        self._sticky[session_id] = name  # the least recently used goes when it is full
         return name
 
     def none_left(self) -> NoServerAvailableError | None:

@@ -1,18 +1,23 @@
 """The layers of docs/design.md §4, checked on the source (every import, lazy ones too).
 
     orchestration (areal_like.orchestration, areal_like.api, bench)   may import anything
-    rollout_cluster, train_cluster        -> core, tasks, models, weight_sync; never each other
+    rollout_cluster, train_cluster        -> core, tasks, models, weight_sync, launcher; never each other
     weight_sync                           -> core
+    launcher (areal_like.launcher)        -> core
     models, tasks                         -> core
     core                                  -> nothing of the project, nothing heavy
 
-and no import circles between modules.
+and no import circles between modules. Only the launcher knows which launcher runs and
+what Ray's errors are, and only it starts Ray (`test_only_the_launcher_knows_its_kind_and_rays_errors`).
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
+import tokenize
 import sys
 from pathlib import Path
 
@@ -23,6 +28,7 @@ LAYER_OF = [  # longest prefix first
     ("areal_like.orchestration", "orchestration"),
     ("areal_like.api", "orchestration"),
     ("areal_like.plan", "orchestration"),
+    ("areal_like.launcher", "launcher"),
     ("areal_like.core", "core"),
     ("areal_like.tasks", "tasks"),
     ("areal_like.models", "models"),
@@ -36,9 +42,11 @@ ALLOWED = {
     "tasks": {"core", "tasks"},
     "models": {"core", "models"},
     "weight_sync": {"core", "weight_sync"},
-    "rollout_cluster": {"core", "tasks", "models", "weight_sync", "rollout_cluster"},
-    "train_cluster": {"core", "tasks", "models", "weight_sync", "train_cluster"},
-    "orchestration": {"core", "tasks", "models", "weight_sync", "rollout_cluster", "train_cluster", "orchestration"},
+    "launcher": {"core", "launcher"},
+    "rollout_cluster": {"core", "tasks", "models", "weight_sync", "launcher", "rollout_cluster"},
+    "train_cluster": {"core", "tasks", "models", "weight_sync", "launcher", "train_cluster"},
+    "orchestration": {"core", "tasks", "models", "weight_sync", "launcher", "rollout_cluster", "train_cluster",
+                      "orchestration"},
 }
 
 
@@ -140,3 +148,45 @@ def test_contracts_import_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"contracts pulled in heavy modules: {out.stdout.strip()}"
+
+
+# What only areal_like/launcher/ may write: a branch on which launcher runs, Ray's error
+# types, starting Ray. Looked for in code only (comments and strings, docstrings too, may
+# name them).
+LAUNCHER_ONLY = re.compile(r"launcher\s*[!=]=|ray\.exceptions|RayActorError|RayTaskError|RayError\b|ray\.init\(")
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, the line's code without its comments and strings) of a source file."""
+    code: dict[int, list[str]] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING, tokenize.NL, tokenize.NEWLINE) or \
+                tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+            continue
+        code.setdefault(tok.start[0], []).append(tok.string)
+    return [(n, " ".join(parts).replace(" . ", ".").replace(" (", "(").replace(" ==", "==").replace("! =", "!="))
+            for n, parts in sorted(code.items())]
+
+
+def test_only_the_launcher_knows_its_kind_and_rays_errors():
+    bad = []
+    for module, path in sorted(_sources().items()):
+        if _layer(module) == "launcher":
+            continue
+        for n, line in _code_lines(path):
+            if LAUNCHER_ONLY.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {line}")
+    assert not bad, "outside areal_like/launcher/ (branch on the launcher, Ray's errors, ray.init):\n" + "\n".join(bad)
+
+
+def test_the_launcher_check_sees_code_not_words(tmp_path):
+    sample = (
+        'x = 1  # launcher == "ray" in a comment\n'
+        '"""ray.init( in a docstring, RayTaskError too"""\n'
+        'if cfg.cluster.launcher == "local":\n'
+        '    import ray.exceptions\n'
+        '    ray.init(address="auto")\n'
+    )
+    (tmp_path / "sample.py").write_text(sample)
+    hits = [n for n, line in _code_lines(tmp_path / "sample.py") if LAUNCHER_ONLY.search(line)]
+    assert hits == [3, 4, 5]

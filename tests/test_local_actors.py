@@ -1,4 +1,4 @@
-"""The local launcher's actors (areal_like/orchestration/local_actors.py), as the launch
+"""The local launcher's actors (areal_like/launcher/local.py), as the launch
 code meets them: real processes forked from a real zygote, real sockets, real kills."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from areal_like.orchestration import local_actors as actors
-from areal_like.orchestration.local_actors import ActorDiedError, Zygote
+from areal_like.launcher import local as actors
+from areal_like.launcher.local import ActorDiedError, Zygote
 from tests._actor_bodies import Apply, AsyncEcho, Echo, Picky
 
 
@@ -113,8 +113,8 @@ def test_an_actor_goes_when_the_process_that_asked_for_it_dies(zygote, tmp_path)
     script.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(os.getcwd())!r})
-        from areal_like.orchestration import local_actors as actors
-        from areal_like.orchestration.local_actors import Zygote
+        from areal_like.launcher import local as actors
+        from areal_like.launcher.local import Zygote
         from tests._actor_bodies import Echo
         a = Zygote({zygote.address!r}).spawn(Echo, ("x",), name="orphan")
         print(actors.get(a.getpid.remote()), flush=True)
@@ -136,8 +136,8 @@ def test_the_zygote_goes_with_the_process_that_started_it(tmp_path) -> None:
     script.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(os.getcwd())!r})
-        from areal_like.orchestration import local_actors as actors
-        from areal_like.orchestration.local_actors import Zygote
+        from areal_like.launcher import local as actors
+        from areal_like.launcher.local import Zygote
         from tests._actor_bodies import Echo
         z = Zygote.start(preload=("tests._actor_bodies",))
         a = z.spawn(Echo, ("x",), name="child")

@@ -56,7 +56,7 @@ def test_a_pool_short_of_free_cpus_on_every_node_is_named_per_node_at_once(two_n
     from areal_like.orchestration.pools import place
 
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="areal_like.orchestration.pools"):
+    with caplog.at_level(logging.WARNING, logger="areal_like.launcher.ray_placement"):
         with pytest.raises(ConfigError) as e:
             place("train_pool", [{"CPU": 1.0}], "PACK", timeout_s=6.0)
     took = time.monotonic() - t0

@@ -98,7 +98,7 @@ def test_scanner_allows_safe_code(snippet: str) -> None:
 # actor calls travel over Unix socket pairs between our own processes on one machine, whose
 # ends it hands out itself, after checking the peer is the same user (SO_PEERCRED; the test
 # below). No network peer ever sends it a frame; network wires stay msgpack.
-LOCAL_IPC = {"areal_like/orchestration/local_actors.py": {"import pickle", "import cloudpickle"}}
+LOCAL_IPC = {"areal_like/launcher/local.py": {"import pickle", "import cloudpickle"}}
 """The local launcher pickles (cloudpickle for call arguments, as Ray does) between two of
 our own processes of one user, over a Unix socket pair: never a network wire."""
 
@@ -121,7 +121,7 @@ def test_the_local_launchers_zygote_forks_for_no_other_user() -> None:
     import socket
     import struct
 
-    from areal_like.orchestration.local_actors import Zygote
+    from areal_like.launcher.local import Zygote
 
     z = Zygote.start(preload=())
     try:

@@ -1,4 +1,5 @@
-"""`TrainWorkerGroup`: N train workers as Ray actors behind the `TrainEngine` calls.
+"""`TrainWorkerGroup`: N train workers as actors behind the `TrainEngine` calls (Ray
+actors or plain processes, whichever launcher starts them: `areal_like.launcher`).
 
 Each actor holds one `TorchTrainEngine`. The actors form their own
 torch.distributed group on a fresh TCPStore hosted by rank 0 (never Ray's
@@ -13,7 +14,7 @@ directly between them. The group looks like one engine to the orchestrator:
 - `save`/`load` run on every rank (each stores its RNG state).
 
 Threads are pinned per worker: each actor sets `torch.set_num_threads(threads)`
-and gets OMP/MKL thread variables to match, and reserves that many Ray CPUs.
+and gets OMP/MKL thread variables to match, and reserves that many CPUs.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ class TrainWorkerDied(RuntimeError):
 
 def _get(workers: list[Any], refs: list[Any], what: str, poll: Callable[[], None] | None = None,
          every_s: float = 0.02) -> list[Any]:
-    """`ray.get` of one call per worker that turns a dead worker into one short, clear
+    """`get` of one call per worker that turns a dead worker into one short, clear
     error, as soon as it is known (the live ranks may be blocked in a collective with it).
     `poll`, if given, is called every `every_s` while the workers run (the trainer takes in
     data meanwhile)."""
-    from areal_like.core import actors
+    from areal_like import launcher as actors
 
     try:
         pending = list(refs)
@@ -66,7 +67,7 @@ def _get(workers: list[Any], refs: list[Any], what: str, poll: Callable[[], None
 
 
 class _TrainWorker:
-    """Body of one Ray actor: joins the trainers' group, then owns a `TorchTrainEngine`."""
+    """Body of one actor: joins the trainers' group, then owns a `TorchTrainEngine`."""
 
     def __init__(self, rank: int, world_size: int, log_level: str, log_file: str | None = None,
                  console: bool = True) -> None:
@@ -79,12 +80,10 @@ class _TrainWorker:
     def store_addr(self) -> str:
         """Rank 0 hosts the TCPStore: its node address and a free port (the loopback
         address under the local launcher: every rank is on this machine)."""
-        import sys
-
+        from areal_like.launcher import here
         from train_cluster.torch_engine import free_port
 
-        ray = sys.modules.get("ray")
-        ip = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
+        ip = here()["node_ip"]
         return f"{ip}:{free_port(ip)}"
 
     def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str,
@@ -216,11 +215,11 @@ class _TrainWorker:
 
 
 class TrainWorkerGroup:
-    """`train.backend.world_size` Ray actors training one model together (module docstring).
+    """`train.backend.world_size` actors training one model together (module docstring).
 
-    Call `ray.init(...)` first (with `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` and
-    `RAY_AUTH_MODE=disabled` on a single CPU machine, docs/design.md §8). Pass the train
-    pool's `placement_group` to keep the actors inside it.
+    `launcher` starts them (`areal_like.launcher`); without one, the Ray this process is
+    in (call `ray.init(...)` first). Pass the train pool's `placement_group` to keep the
+    actors inside it.
     """
 
     def __init__(
@@ -238,14 +237,15 @@ class TrainWorkerGroup:
         lend: dict[str, Any] | None = None,
         colocate: bool = False,
     ) -> None:
-        from areal_like.core import actors
+        from areal_like import launcher as actors
 
         backend = train_cfg.backend
         if launcher is None:
-            import ray
-
-            if not ray.is_initialized():
-                raise RuntimeError("TrainWorkerGroup needs Ray (call ray.init() first) or a local launcher")
+            try:
+                launcher = actors.connect("ray")
+            except RuntimeError:
+                raise RuntimeError("TrainWorkerGroup needs Ray (call ray.init() first) or a launcher") from None
+        self.launcher = launcher
         if isinstance(backend, MegatronBackendConfig):
             # tp × dp ranks; the ranks of one TP group share a data shard (dp shards in all)
             self.world_size = backend.tensor_parallel_size * backend.data_parallel_size
@@ -256,23 +256,18 @@ class TrainWorkerGroup:
             layout = backend.strategy
         self.loss_cfg = train_cfg.loss
         threads = str(backend.threads)
-        options: dict[str, Any] = {
-            "num_cpus": backend.threads,
-            # colocated: half a GPU, the other half is the rollout server's (pools.py)
-            "num_gpus": (0.5 if colocate else 1) if backend.device == "cuda" else 0,
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                                         "TOKENIZERS_PARALLELISM": "false",
-                                         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}},
-        }
         log_file = str(log_file) if log_file is not None else None
-        if launcher is not None:  # plain processes forked from the zygote (local_actors)
-            self.workers = [launcher.spawn(_TrainWorker, (r, self.world_size, log_level, log_file, console),
-                                           name=f"train-{r}", threads=backend.threads,
-                                           env={"TOKENIZERS_PARALLELISM": "false"},
-                                           stdio=None if console or log_file is None else log_file)
-                            for r in range(self.world_size)]
-        else:
-            self.workers = self._ray_workers(options, placement_group, log_level, log_file, console)
+        self.workers = [
+            launcher.spawn(_TrainWorker, (r, self.world_size, log_level, log_file, console), name=f"train-{r}",
+                           cpus=backend.threads,
+                           # colocated: half a GPU, the other half is the rollout server's (pools.py)
+                           gpus=(0.5 if colocate else 1) if backend.device == "cuda" else 0,
+                           threads=backend.threads, env={"TOKENIZERS_PARALLELISM": "false"},
+                           stdio=None if console or log_file is None else log_file,
+                           # one bundle per rank (the train pool may span nodes), or all in its one bundle
+                           placement=actors.Placement.of_rank(placement_group, r, self.world_size),
+                           zero_copy_tensors=True)
+            for r in range(self.world_size)]
         store = actors.get(self.workers[0].store_addr.remote())
         cfg = train_cfg.model_dump(mode="json")
         offload = colocate and backend.device == "cuda"
@@ -282,25 +277,6 @@ class TrainWorkerGroup:
         self._dp_ranks = [int(dp) for _, dp in setups]  # each worker's data shard
         logger.info("TrainWorkerGroup: %d workers (%s, %s threads each, %s), store %s", self.world_size,
                     layout, threads, backend.device, store)
-
-    def _ray_workers(self, options: dict[str, Any], placement_group: Any, log_level: str, log_file: str | None,
-                     console: bool) -> list[Any]:
-        import ray
-
-        actor = ray.remote(_TrainWorker)
-        per_rank = placement_group is not None and len(placement_group.bundle_specs) == self.world_size
-
-        def place(rank: int) -> dict[str, Any]:
-            if placement_group is None:
-                return options
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            # one bundle per rank (the train pool may span nodes), or all in the pool's one bundle
-            return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=rank if per_rank else -1)}
-
-        return [actor.options(**place(r)).remote(r, self.world_size, log_level, log_file, console)
-                for r in range(self.world_size)]
 
     @property
     def version(self) -> int:
@@ -371,17 +347,15 @@ class TrainWorkerGroup:
         _get(self.workers, [w.save.remote(str(path), extra) for w in self.workers], "save")
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        from areal_like.core import actors
+        from areal_like import launcher as actors
 
         extras = actors.get([w.load.remote(str(path)) for w in self.workers])
         self._version = actors.get(self.workers[0].version.remote())
         return extras[0]
 
     def shutdown(self) -> None:
-        from areal_like.core import actors
-
         for w in self.workers:
-            actors.kill(w)
+            self.launcher.kill(w)
         self.workers = []
 
 
@@ -390,7 +364,7 @@ class WorkerWeightSender:
 
     `send_current(version)` asks every rank to hand its weights to rank 0's sender (the
     meta comes back, a few KB); `wait` and `last_transfer` ask rank 0. Nothing of the
-    weights crosses Ray's object store or reaches the driver.
+    weights crosses the launcher's calls or reaches the driver.
     """
 
     def __init__(self, group: TrainWorkerGroup, rendezvous: str | None) -> None:
@@ -432,7 +406,7 @@ class WorkerWeightSender:
         return stats
 
     def close(self) -> None:
-        from areal_like.core import actors
+        from areal_like import launcher as actors
 
         if self.group.workers:
             try:

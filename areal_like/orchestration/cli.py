@@ -114,11 +114,12 @@ def run(
 ) -> None:
     """Run both clusters on this machine (plain processes, or an embedded Ray with one
     placement group per pool: `cluster.launcher`)."""
-    from areal_like.orchestration.local_actors import Zygote, choose_launcher
+    from areal_like.launcher import open_launcher
 
     cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
-    # The local launcher's zygote imports torch & co. while this process does the same.
-    zygote = Zygote.start() if choose_launcher(cfg) == "local" else None
+    # The local launcher's zygote imports torch & co. while this process does the same
+    # (Ray starts later, once the config passed its checks).
+    launcher = open_launcher(cfg, num_cpus=cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus)
     try:
         from areal_like.orchestration.launch import run_both
         from areal_like.orchestration.run_dir import RunDirError
@@ -128,12 +129,11 @@ def run(
         _preflight(cfg, "run", resume, overwrite)
         progress = _progress(cfg)
     except BaseException:
-        if zygote is not None:
-            zygote.close()
+        launcher.shutdown()
         raise
     try:
         summary = run_both(cfg, resume=resume, overwrite=overwrite, on_start=lambda side: _print_start(side, progress),
-                           on_step=progress, zygote=zygote)
+                           on_step=progress, launcher=launcher)
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
     except RunAborted as e:
@@ -187,11 +187,7 @@ def train(
     verbose: bool = typer.Option(False, "--verbose", help="Every process's log lines on the console too (else in run.dir/run.log)."),
 ) -> None:
     """Run the train cluster only; rollout clusters connect to its transport addresses."""
-    import os
-
-    import ray
-
-    from areal_like.orchestration.launch import init_ray, ray_env
+    from areal_like.launcher import open_launcher
     from areal_like.orchestration.run_dir import RunDirError
     from areal_like.orchestration.trainer_controller import RunAborted, RunInterrupted
     from areal_like.orchestration.trainer_side import TrainerSide
@@ -199,21 +195,17 @@ def train(
     cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
     _console(cfg)
     _preflight(cfg, "train", resume, overwrite)
-    for k, v in ray_env().items():
-        os.environ.setdefault(k, v)
     try:
-        v = cfg.run.verbose
-        init_ray(address=cfg.cluster.ray_address, include_dashboard=False, log_to_driver=v) \
-            if cfg.cluster.ray_address else init_ray(include_dashboard=False, log_to_driver=v,
-                                                    runtime_env={"env_vars": ray_env()})
+        launcher = open_launcher(cfg, kind="ray")  # the train side alone runs on Ray (as it always has)
+        launcher.up()
         progress = _progress(cfg)
-        side = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=progress)
+        side = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=progress, launcher=launcher)
         _print_start(side, progress)
         try:
             summary = side.run()
         finally:
             side.close()
-            ray.shutdown()
+            launcher.shutdown()
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
     except RunAborted as e:

@@ -4,10 +4,12 @@
   data, gate, controller);
 - `trainer_side.TrainerSide`: the train cluster's driver (run folder, workers, weight
   sender, channels, trainer controller);
-- `run_both` (here): an embedded Ray (or the cluster at `cluster.ray_address`) with
-  one placement group per pool (`pools`): the rollout controller (its own actor,
-  `RolloutControllerActor`) runs beside server 0 in the rollout pool, every inference server in its own bundle of it, the train
-  workers in the train pool, the trainer controller in the driver.
+- `run_both` (here): both sides through one launcher (`areal_like.launcher`: plain
+  processes from a zygote, or an embedded Ray or the cluster at `cluster.ray_address`
+  with one placement group per pool, `pools`): the rollout controller (its own actor,
+  `RolloutControllerActor`) runs beside server 0 in the rollout pool, every inference
+  server in its own bundle of it, the train workers in the train pool, the trainer
+  controller in the driver.
 
 `areal-like rollout` / `areal-like train` run one side each and meet at
 `transport.data_addr`, `transport.control_addr` (docs/design.md §9.6); the weights
@@ -17,13 +19,12 @@ travel on the dist group whose store address the announcements carry, or on disk
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 from areal_like.core.config import ExperimentConfig
-from areal_like.orchestration.local_actors import choose_launcher
-from areal_like.orchestration.ray_setup import init_ray, ray_env
+from areal_like.launcher import Placement, choose_launcher, connect, open_launcher
+from areal_like.launcher.ray_launcher import init_ray, ray_env
 
 __all__ = ["run_both", "ray_env", "init_ray", "choose_launcher"]
 
@@ -31,12 +32,13 @@ log = logging.getLogger(__name__)
 
 
 class RolloutControllerActor:
-    """The rollout controller's Ray actor (docs/design.md §10.2): `run` drives the whole
-    rollout side; the server actors it starts are owned by it and go with it."""
+    """The rollout controller's actor (docs/design.md §10.2): `run` drives the whole
+    rollout side; the server actors it starts (through the launcher at
+    `launcher_address`, `areal_like.launcher.connect`) are owned by it and go with it."""
 
     def run(self, cfg_json: dict[str, Any], data_addr: str, control_addr: str,
             user: dict[str, Any] | None = None, placement_group: Any = None,
-            zygote: str | None = None) -> dict[str, Any]:
+            launcher_address: str = "ray") -> dict[str, Any]:
         from areal_like.core.logs import process_logging, run_log_path
         from areal_like.orchestration.rollout_side import RolloutSide
 
@@ -44,28 +46,20 @@ class RolloutControllerActor:
         process_logging("rollout", run["log_level"], run_log_path(run["dir"]), console=run.get("verbose", False))
 
         cfg = ExperimentConfig.model_validate(cfg_json)
-        launcher = None
-        if zygote is not None:  # the local launcher: servers from the same zygote as this process
-            from areal_like.orchestration.local_actors import Zygote
-
-            launcher = Zygote(zygote)
         return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group,
-                           launcher=launcher).run()
+                           launcher=connect(launcher_address)).run()
 
 
 def _rollout_death_message(error: BaseException) -> str:
     """Why the rollout side died, its root cause on the first line (the line the CLI
     prints after `error:`), then its own account (a `RolloutFailedError` carries why it
-    stopped and the first error's traceback). Ray wraps the task's exception in a
-    `RayTaskError` whose text starts with Ray's own header; its `cause` is the original."""
+    stopped and the first error's traceback). The launcher hands over what the actor
+    raised as itself; an `ActorCallError`'s `cause` is the original when it travelled."""
     from rollout_cluster.server_manager import error_headline
 
     cause = getattr(error, "cause", None)
     root = cause if isinstance(cause, BaseException) else error
     headline = error_headline(root)
-    if headline.startswith("RayTaskError") or headline.startswith("ray::"):
-        lines = [x for x in str(error).splitlines() if x.strip() and not x.startswith("ray::")]
-        headline = lines[-1].strip() if lines else headline
     rest = str(root).strip().split("\n", 1)[1] if "\n" in str(root).strip() else ""
     return f"{headline}\n" + (f"{rest}\n" if rest else "") + f"the rollout side died ({type(root).__name__})"
 
@@ -76,7 +70,7 @@ def _failed_episodes(error: BaseException) -> BaseException | None:
     from areal_like.orchestration.fail_fast import RolloutFailedError
     from areal_like.orchestration.trainer_controller import RunFailed
 
-    cause = getattr(error, "cause", None)  # Ray wraps what the actor raised
+    cause = getattr(error, "cause", None)  # an `ActorCallError` carries what the actor raised
     e = cause if isinstance(cause, RolloutFailedError) else error
     if not isinstance(e, RolloutFailedError):
         return None
@@ -85,126 +79,78 @@ def _failed_episodes(error: BaseException) -> BaseException | None:
 
 
 def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = False, on_step: Any = None,
-             on_start: Any = None, user: dict[str, Any] | None = None, zygote: Any = None,
+             on_start: Any = None, user: dict[str, Any] | None = None, launcher: Any = None,
              reward_name: str | None = None) -> dict[str, int]:
-    """Both clusters on this machine: plain processes from a zygote (`local` launcher;
-    the CLI starts it before its own imports and passes it), or an embedded Ray with one
-    placement group per pool."""
-    from areal_like.orchestration.local_actors import Zygote, choose_launcher
-
-    if zygote is None and choose_launcher(cfg, user) == "local":
-        zygote = Zygote.start()  # it imports torch & co. while this process checks the config
+    """Both clusters on this machine, through `launcher` (else `open_launcher(cfg, user)`:
+    plain processes from a zygote, which the CLI starts before its own imports, or an
+    embedded Ray with one placement group per pool). The launcher is shut down when this
+    returns."""
+    if launcher is None:  # the local launcher's zygote imports torch & co. while this process checks the config
+        launcher = open_launcher(cfg, user, num_cpus=cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus)
     from areal_like.orchestration.preflight import preflight
 
     try:
         preflight(cfg, "run", resume=resume, overwrite=overwrite)  # refuse before starting anything
     except BaseException:
-        if zygote is not None:
-            zygote.close()
+        launcher.shutdown()
         raise
+    from areal_like.core.logs import run_log_path
     from areal_like.orchestration import startup
 
     startup.mark("imports")
-    if zygote is not None:
-        return _run_local(cfg, zygote, resume=resume, overwrite=overwrite, on_step=on_step, on_start=on_start,
-                          user=user, reward_name=reward_name)
-    return _run_ray(cfg, resume=resume, overwrite=overwrite, on_step=on_step, on_start=on_start, user=user,
-                    reward_name=reward_name)
-
-
-def _run_local(cfg: ExperimentConfig, zygote: Any, *, resume: bool, overwrite: bool, on_step: Any,
-               on_start: Any, user: dict[str, Any] | None, reward_name: str | None = None) -> dict[str, int]:
-    from areal_like.core.logs import run_log_path
-    from areal_like.orchestration.trainer_side import TrainerSide
-
+    pg_roll = pg_train = None
     try:
-        trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=on_step, launcher=zygote,
-                              reward_name=reward_name)
+        launcher.up()
+        if launcher.runtime:
+            startup.mark(launcher.runtime)
+        from areal_like.orchestration.pools import rollout_bundles, train_bundles
+
+        pg_roll = launcher.place("rollout_pool", rollout_bundles(cfg), cfg.cluster.rollout_pool.strategy)
+        pg_train = launcher.place("train_pool", train_bundles(cfg), cfg.cluster.train_pool.strategy)
     except BaseException:
-        zygote.close()
+        launcher.remove(pg_roll)
+        launcher.shutdown()
         raise
-    data_addr, control_addr = trainer.addresses
-    try:
-        controller = zygote.spawn(RolloutControllerActor, name="rollout",
-                                  stdio=None if cfg.run.verbose else str(run_log_path(cfg.run.dir)))
-    except BaseException:
-        trainer.close()
-        zygote.close()
-        raise
-    if on_start is not None:
-        on_start(trainer)
-    ref = controller.run.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, None, zygote.address)
-    return _drive(trainer, controller, ref, cleanup=zygote.close)
-
-
-def _run_ray(cfg: ExperimentConfig, *, resume: bool, overwrite: bool, on_step: Any, on_start: Any,
-             user: dict[str, Any] | None, reward_name: str | None = None) -> dict[str, int]:
-    import ray
-    from ray.util.placement_group import remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from areal_like.orchestration import startup
-
-    for k, v in ray_env().items():
-        os.environ.setdefault(k, v)
-    started_ray = False
-    if not ray.is_initialized():
-        if cfg.cluster.ray_address:
-            init_ray(address=cfg.cluster.ray_address, log_to_driver=cfg.run.verbose)
-        else:
-            cpus = os.cpu_count() or 1
-            init_ray(num_cpus=max(cpus, cfg.cluster.rollout_pool.num_cpus + cfg.cluster.train_pool.num_cpus),
-                     include_dashboard=False, log_to_driver=cfg.run.verbose, runtime_env={"env_vars": ray_env()})
-        started_ray = True
-    startup.mark("ray")
-    from areal_like.orchestration.pools import place, rollout_bundles, train_bundles
-
-    rp, tp = cfg.cluster.rollout_pool, cfg.cluster.train_pool
-    pg_roll = None
-    try:
-        pg_roll = place("rollout_pool", rollout_bundles(cfg), rp.strategy)
-        pg_train = place("train_pool", train_bundles(cfg), tp.strategy)
-    except BaseException:
-        if pg_roll is not None:
-            remove_placement_group(pg_roll)
-        if started_ray:
-            ray.shutdown()
-        raise
-    startup.mark("pools")
+    if pg_roll is not None or pg_train is not None:
+        startup.mark("pools")
     from areal_like.orchestration.trainer_side import TrainerSide
 
     def cleanup() -> None:
         for pg in (pg_roll, pg_train):
-            remove_placement_group(pg)
-        if started_ray:
-            ray.shutdown()
+            launcher.remove(pg)
+        launcher.shutdown()
 
     try:
         trainer = TrainerSide(cfg, resume=resume, overwrite=overwrite, placement_group=pg_train, on_step=on_step,
-                              reward_name=reward_name)
+                              launcher=launcher, reward_name=reward_name)
     except BaseException:
         cleanup()
         raise
     data_addr, control_addr = trainer.addresses
     # The rollout controller takes no resources of its own: it lives beside server 0,
     # and every server is its own actor in its own bundle of the pool (docs/design.md §10.2).
-    controller = ray.remote(RolloutControllerActor).options(
-        name=None, num_cpus=0, num_gpus=0,
-        # A restart would start from the base weights and a fresh count while the trainer
-        # goes on: a dead rollout side stops the run instead (checkpoint, then --resume).
-        max_restarts=0, max_task_retries=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg_roll, placement_group_bundle_index=0),
-    ).remote()
+    # It never restarts: a restart would start from the base weights and a fresh count
+    # while the trainer goes on; a dead rollout side stops the run instead (checkpoint,
+    # then --resume).
+    try:
+        controller = launcher.spawn(RolloutControllerActor, name="rollout", cpus=0, gpus=0,
+                                    placement=Placement(pg_roll, 0),
+                                    stdio=None if cfg.run.verbose else str(run_log_path(cfg.run.dir)))
+    except BaseException:
+        trainer.close()
+        cleanup()
+        raise
     if on_start is not None:
         on_start(trainer)
-    ref = controller.run.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll)
+    ref = controller.run.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll,
+                                launcher.address)
     return _drive(trainer, controller, ref, cleanup=cleanup)
 
 
 def _drive(trainer: Any, controller: Any, ref: Any, cleanup: Any) -> dict[str, int]:
     """Run the trainer side here while the rollout side runs in its actor; either one's
     end or death ends the run, and both sides are gone when this returns."""
-    from areal_like.core import actors
+    from areal_like import launcher as actors
 
     last_check = [0.0]
 

@@ -1,6 +1,6 @@
 """The rollout cluster's process: servers, agent runner, data, gate and the controller.
 
-`RolloutSide.run()` starts one Ray actor per inference server (`server_pool`), builds
+`RolloutSide.run()` starts one actor per inference server (`server_pool`), builds
 the agent runner, data and gate, connects to the trainer at
 `transport.data_addr` / `transport.control_addr` (docs/design.md §9.6) and drives the
 `RolloutController` until the trainer announces the end. The controller is handed
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
@@ -27,9 +26,10 @@ log = logging.getLogger(__name__)
 
 class RolloutSide:
     """The rollout cluster: this controller (gate, data, agent loops, server manager) in
-    one process or Ray actor, and one Ray actor per inference server (docs/design.md
-    §10.2), placed in the rollout pool's placement group (given, or made here when the
-    rollout side runs alone)."""
+    one process or actor, and one actor per inference server (docs/design.md §10.2),
+    placed in the rollout pool's placement group (given, or made here when the rollout
+    side runs alone). `launcher` starts the servers (`areal_like.launcher`); without one,
+    an embedded Ray or the cluster at `cluster.ray_address` (`areal-like rollout`)."""
 
     def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
                  user: dict[str, Any] | None = None, placement_group: Any = None, launcher: Any = None) -> None:
@@ -37,8 +37,13 @@ class RolloutSide:
         self.started_at = time.monotonic()
         """`transport.peer_timeout_s` without a trainer counts from here, not from when the
         servers are up (they take most of a minute to start under Ray)."""
+        if launcher is None:
+            from areal_like.launcher import open_launcher
+
+            launcher = open_launcher(cfg, kind="ray", num_cpus=cfg.cluster.rollout_pool.num_cpus)
         self.launcher = launcher
-        """The local launcher's zygote (`local_actors.Zygote`): servers as plain processes, no Ray."""
+        """Who starts the servers (`areal_like.launcher`); `run` brings it up and shuts down
+        what it started (nothing, for a launcher an actor connected to)."""
         self.user = user or {}
         """Objects given through the Python API instead of the config: `rows`, `eval_rows`,
         `reward_fn`, `tools`, `loops` (docs/design.md §9.10)."""
@@ -63,33 +68,11 @@ class RolloutSide:
         receive a later one (they must not start episodes on older weights)."""
 
     def run(self) -> dict[str, Any]:
-        own_ray = self._ensure_ray() if self.launcher is None else False
+        self.launcher.up()  # running alone (`areal-like rollout`): Ray starts, or joins its cluster, here
         try:
             return asyncio.run(self.main())
         finally:
-            if own_ray:
-                import ray
-
-                ray.shutdown()
-
-    def _ensure_ray(self) -> bool:
-        """Running alone (`areal-like rollout`): Ray for the server actors, embedded on this
-        machine or the cluster at `cluster.ray_address`. Returns whether it started it."""
-        import ray
-
-        if ray.is_initialized():
-            return False
-        from areal_like.orchestration.ray_setup import init_ray, ray_env
-
-        for k, v in ray_env().items():
-            os.environ.setdefault(k, v)
-        if self.cfg.cluster.ray_address:
-            init_ray(address=self.cfg.cluster.ray_address, log_to_driver=self.cfg.run.verbose)
-        else:
-            cpus = os.cpu_count() or 1
-            init_ray(num_cpus=max(cpus, self.cfg.cluster.rollout_pool.num_cpus), include_dashboard=False,
-                     log_to_driver=self.cfg.run.verbose, runtime_env={"env_vars": ray_env()})
-        return True
+            self.launcher.shutdown()
 
     async def main(self) -> dict[str, Any]:
         from areal_like.orchestration.bridge import drive_rollout, make_sender
@@ -100,11 +83,11 @@ class RolloutSide:
         cfg = self.cfg
         logging.getLogger().setLevel(cfg.run.log_level)
         own_pg = None
-        if self.placement_group is None and self.launcher is None:
-            from areal_like.orchestration.pools import place, rollout_bundles
+        if self.placement_group is None:  # running alone: its own pool (a launcher that places nothing: None)
+            from areal_like.orchestration.pools import rollout_bundles
 
             self.placement_group = own_pg = await asyncio.to_thread(
-                place, "rollout_pool", rollout_bundles(cfg), cfg.cluster.rollout_pool.strategy)
+                self.launcher.place, "rollout_pool", rollout_bundles(cfg), cfg.cluster.rollout_pool.strategy)
         pusher = subscriber = None
         try:
             runner = self.runner = await self._build_servers_and_runner()
@@ -152,10 +135,7 @@ class RolloutSide:
             for ch in (pusher, subscriber):
                 if ch is not None:
                     ch.close()
-            if own_pg is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                remove_placement_group(own_pg)
+            self.launcher.remove(own_pg)
         return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes,
                 "servers": {n: s.model_dump() for n, s in self.pool.per_server().items()}}
 
@@ -314,19 +294,15 @@ class RolloutSide:
         )
 
 
-def _is_actor_death(error: BaseException) -> bool:
-    from areal_like.core.actors import is_actor_death
-
-    return is_actor_death(error)
-
-
 def _is_server_death(error: BaseException) -> bool:
     """The server is gone (its actor) or can serve nothing again (its engine is dead):
     restart it, as a failed `generate` would, rather than wait for a later version."""
     from rollout_cluster.engine.base import EngineDeadError
 
-    cause = getattr(error, "cause", None)  # Ray wraps what the actor raised
-    return _is_actor_death(error) or isinstance(error, EngineDeadError) or isinstance(cause, EngineDeadError)
+    from areal_like.launcher import is_actor_death
+
+    cause = getattr(error, "cause", None)  # an `ActorCallError` carries what the actor raised
+    return is_actor_death(error) or isinstance(error, EngineDeadError) or isinstance(cause, EngineDeadError)
 
 
 def _headline(error: BaseException) -> str:

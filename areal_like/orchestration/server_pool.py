@@ -1,8 +1,9 @@
-"""The rollout controller's view of its inference servers: one Ray actor each.
+"""The rollout controller's view of its inference servers: one actor each.
 
 `ServerPool` starts one `ServerActor` per bundle of the rollout pool's placement group
-(docs/design.md §10.2), each with its own device, and keeps their handles; it hands the
-server manager `RayServer` adapters for routing, tells every server to join the weight
+(docs/design.md §10.2) through the launcher (`areal_like.launcher`), each with its own
+device, and keeps their handles; it hands the server manager `ActorServer` adapters for
+routing, tells every server to join the weight
 group and to receive each version (the bytes go from the trainer's rank 0 straight into
 each server, never through this process), restarts a dead server in its own bundle, and
 polls metrics in the background so the controller's counters never wait on an actor.
@@ -27,11 +28,13 @@ log = logging.getLogger(__name__)
 
 class ServerPool:
     def __init__(self, cfg: ExperimentConfig, model_path: Path, placement_group: Any, launcher: Any = None) -> None:
+        from areal_like.launcher import connect
+
         self.cfg = cfg
         self.model_path = model_path
         self.placement_group = placement_group
-        self.launcher = launcher
-        """A local launcher's zygote (`local_actors.Zygote`): servers are plain processes."""
+        self.launcher = launcher if launcher is not None else connect("ray")
+        """Who starts the servers (`areal_like.launcher`; none given: the Ray this process is in)."""
         self.names = [f"server-{i}" for i in range(cfg.rollout.num_servers)]
         self.actors: dict[str, Any] = {}
         self.info: dict[str, dict[str, Any]] = {}
@@ -49,32 +52,20 @@ class ServerPool:
         """`cluster.colocate`: the servers are paused for the trainer's step."""
 
     # ---- starting ---------------------------------------------------------------------
-    def _spawn(self, name: str) -> Any:
-        if self.launcher is not None:
-            return self._spawn_local(name)
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+    async def _spawn(self, name: str) -> Any:
+        from areal_like.launcher import Placement
         from areal_like.orchestration.pools import rollout_bundles, server_gpu_request
         from rollout_cluster.server_actor import ServerActor
 
         cfg = self.cfg
         i = self.names.index(name)
-        bundle = rollout_bundles(cfg)[i]
-        threads = str(cfg.rollout.server_threads)
-        actor = ray.remote(ServerActor).options(
-            name=None, num_cpus=bundle["CPU"], num_gpus=server_gpu_request(cfg), max_restarts=0,
-            max_concurrency=10_000,
-            # every generate call and metrics poll is an actor task: Ray's GCS would keep an
-            # event for each (the one-hour soak saw its memory grow 20 %); we never read them
-            enable_task_events=False,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                                      "TOKENIZERS_PARALLELISM": "false"}},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=i),
-        )
         args, kwargs = self._server_args(i)
-        return actor.remote(*args, **kwargs)
+        return await self.launcher.aspawn(
+            ServerActor, args, kwargs, name=name, cpus=rollout_bundles(cfg)[i]["CPU"], gpus=server_gpu_request(cfg),
+            threads=cfg.rollout.server_threads, env={"TOKENIZERS_PARALLELISM": "false"},
+            stdio=None if cfg.run.verbose else str(run_log_path(cfg.run.dir)),
+            placement=Placement(self.placement_group, i),
+            concurrency=10_000, record_calls=False)  # every generate call and metrics poll is a call
 
     def _server_args(self, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         from areal_like.orchestration.pools import thread_lending
@@ -89,20 +80,12 @@ class ServerPool:
             default_disk_path=str(Path(cfg.run.dir) / "weight_sync"), log_level=cfg.run.log_level,
             log_file=str(run_log_path(cfg.run.dir)), console=cfg.run.verbose)
 
-    def _spawn_local(self, name: str) -> Any:
-        from rollout_cluster.server_actor import ServerActor
-
-        args, kwargs = self._server_args(self.names.index(name))
-        stdio = None if self.cfg.run.verbose else str(run_log_path(self.cfg.run.dir))
-        return self.launcher.spawn(ServerActor, args, kwargs, name=name, threads=self.cfg.rollout.server_threads,
-                                   env={"TOKENIZERS_PARALLELISM": "false"}, stdio=stdio)
-
     async def _start_one(self, name: str) -> Any:
-        handle = await asyncio.to_thread(self._spawn, name) if self.launcher is not None else self._spawn(name)
+        handle = await self._spawn(name)
         try:
             info = await handle.start.remote()
         except BaseException:
-            _kill(handle)
+            self.launcher.kill(handle)
             raise
         self.actors[name], self.info[name] = handle, info
         self.versions[name] = int(info.get("version", 0))
@@ -125,16 +108,16 @@ class ServerPool:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.close()
-            cause = getattr(errors[0], "cause", None) or errors[0]
+            cause = getattr(errors[0], "cause", None) or errors[0]  # an `ActorCallError`'s original
             raise ConfigError(_first_line(cause)) from None
         log.info("%d rollout server actor(s) started in %.1fs", len(self.names), time.time() - t0)
         self._poller = asyncio.get_running_loop().create_task(self._poll_metrics(), name="server-metrics")
         return {n: self._adapter(n) for n in self.names}
 
     def _adapter(self, name: str) -> Any:
-        from rollout_cluster.server_manager import RayServer
+        from rollout_cluster.server_manager import ActorServer
 
-        return RayServer(self.actors[name], name)
+        return ActorServer(self.actors[name], name)
 
     async def restart(self, name: str, error: BaseException, loaded_version: int) -> Any:
         """A fresh actor for a dead server, in its bundle, serving the version the others
@@ -143,7 +126,7 @@ class ServerPool:
         self._alive.discard(name)
         old = self.actors.pop(name, None)
         if old is not None:
-            _kill(old)
+            self.launcher.kill(old)
         handle = await self._start_one(name)
         if loaded_version > self.versions[name]:
             donor = next((n for n in self.names if n in self._alive and n != name
@@ -220,6 +203,8 @@ class ServerPool:
 
     # ---- metrics ----------------------------------------------------------------------
     async def _poll_metrics(self, every_s: float = 0.5) -> None:
+        from areal_like.launcher import is_actor_death
+
         while True:
             names = [n for n in self.names if n in self._alive]
             refs = [self.actors[n].metrics.remote() for n in names]
@@ -227,7 +212,7 @@ class ServerPool:
                 try:
                     self.metrics[n] = await asyncio.wait_for(ref, timeout=5.0)
                 except Exception as e:  # busy: next round; dead: noticed now, not at its next call
-                    if _is_actor_death(e) and n in self._alive and self.on_death is not None:
+                    if is_actor_death(e) and n in self._alive and self.on_death is not None:
                         self.on_death(n, e)
             await asyncio.sleep(every_s)
 
@@ -254,25 +239,13 @@ class ServerPool:
             except Exception as e:
                 log.warning("closing rollout servers: %s", e)
         for h in handles:
-            _kill(h)
+            self.launcher.kill(h)
         self.actors.clear()
         self._alive.clear()
 
 
-def _is_actor_death(error: BaseException) -> bool:
-    from areal_like.core.actors import is_actor_death
-
-    return is_actor_death(error)
-
-
-def _kill(handle: Any) -> None:
-    from areal_like.core.actors import kill
-
-    kill(handle)
-
-
 def _first_line(error: BaseException) -> str:
-    """The server's own `ServerStartError` line out of Ray's wrapping."""
+    """The server's own `ServerStartError` line (out of whatever text surrounds it)."""
     text = str(error).strip()
     for line in text.splitlines():
         if "could not start" in line:

@@ -51,8 +51,9 @@ class TrainerSide:
         from areal_like.orchestration import startup
 
         startup.mark("imports")  # `areal-like train`: the first phase it passes
-        if launcher is None:
-            startup.mark("ray")
+        runtime = "ray" if launcher is None else launcher.runtime  # none given: the Ray this process is in
+        if runtime:
+            startup.mark(runtime)
         log.info("dashboard: %s", self.dashboard_url)
         self.puller = DataPuller(cfg.transport.data_addr, cfg.transport.secret, int(cfg.transport.max_frame_mb * 2**20),
                                  epoch=self.epoch, heartbeat_s=cfg.transport.heartbeat_s,
@@ -80,7 +81,7 @@ class TrainerSide:
         from train_cluster.worker_group import TrainWorkerGroup
 
         cfg = self.cfg
-        # torch (DDP/FSDP) or megatron (TP × DP): one Ray actor per rank either way
+        # torch (DDP/FSDP) or megatron (TP × DP): one actor per rank either way
         from areal_like.orchestration.pools import thread_lending
 
         lending = thread_lending(cfg)

@@ -10,7 +10,7 @@ import pytest
 from areal_like.core.config import AgentConfig
 from areal_like.core.types import SamplingParams
 from rollout_cluster.agent_loop import ToolAgentLoop
-from rollout_cluster.server_manager import NoServerAvailableError, RayServer, ServerManager
+from rollout_cluster.server_manager import ActorServer, NoServerAvailableError, ServerManager
 from rollout_cluster.tools import CalculatorTool
 
 from ._agent_fakes import FakeServer, call_text
@@ -151,17 +151,17 @@ def test_ray_actor_adapter_awaits_remote_calls(tokenizer: Any) -> None:
     class _Handle:
         generate = _Method()
 
-    manager = ServerManager([RayServer(_Handle(), name="actor-0")])
+    manager = ServerManager([ActorServer(_Handle(), name="actor-0")])
     result = asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
     assert result.token_ids == tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert manager.server_names == ["actor-0"] and inner.calls[0][0] == "r"
 
 
 def test_an_error_the_actor_raised_is_the_requests_not_a_dead_server() -> None:
-    """Ray wraps what an actor raised in a RayTaskError (itself a RayError, which reads as
-    a dead server): the adapter re-raises the server's own error, so a refused request
-    does not take a healthy server out of rotation; a dead actor still does."""
-    from ray.exceptions import ActorDiedError, RayTaskError
+    """The launcher hands back what a server actor raised as itself (Ray's wrapping is
+    undone in `areal_like/launcher/ray_launcher.py`, tests/test_launcher.py): a refused
+    request does not take a healthy server out of rotation; a dead actor (`ActorDied`) does."""
+    from areal_like.launcher import ActorDied
 
     class _Method:
         def __init__(self, error: BaseException) -> None:
@@ -176,12 +176,12 @@ def test_an_error_the_actor_raised_is_the_requests_not_a_dead_server() -> None:
         def __init__(self, error: BaseException) -> None:
             self.generate = _Method(error)
 
-    refused = RayTaskError("generate", "Traceback ...", ValueError("prompt of 9000 tokens exceeds max_seq_len"))
-    manager = ServerManager([RayServer(_Handle(refused), name="actor-0")])
+    refused = ValueError("prompt of 9000 tokens exceeds max_seq_len")
+    manager = ServerManager([ActorServer(_Handle(refused), name="actor-0")])
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
     assert manager.server_names == ["actor-0"] and manager.num_failures == 0
-    manager = ServerManager([RayServer(_Handle(ActorDiedError()), name="actor-0")])
+    manager = ServerManager([ActorServer(_Handle(ActorDied("actor-0 is gone")), name="actor-0")])
     with pytest.raises(NoServerAvailableError):
         asyncio.run(manager.generate(request_id="r", prompt_ids=[1], sampling_params=SP))
     assert manager.server_names == [] and manager.num_failures == 1
@@ -261,3 +261,17 @@ def test_restart_budget_is_bounded_then_no_server(tokenizer: Any) -> None:
 
     asyncio.run(main())
     assert attempts[1] - attempts[0] >= 0.1 * 0.9  # the second attempt waited twice the backoff
+
+
+def test_sticky_map_evicts_the_least_recently_used_session(tokenizer: Any) -> None:
+    """A session used again is the most recent (cachetools' LRUCache); taking a server out
+    forgets its sessions without touching the others' order."""
+    manager = ServerManager(servers(tokenizer, 2), max_sticky_sessions=3)
+    for s in ("s0", "s1", "s2"):
+        manager._pick(s)
+    manager._pick("s0")  # used again: s1 is now the oldest
+    manager._pick("s3")
+    assert set(manager._sticky) == {"s0", "s2", "s3"}
+    gone = manager._sticky["s2"]
+    manager.remove_server(gone)
+    assert all(manager._sticky[s] != gone for s in manager._sticky)

@@ -64,7 +64,7 @@ def test_the_caller_polls_while_the_workers_train(tiny_model_dir, trajs) -> None
     the same step."""
     import threading
 
-    from areal_like.orchestration.local_actors import Zygote
+    from areal_like.launcher.local import Zygote
 
     cfg = TrainConfig(token_budget=48, lr=1e-2)
     trajectories = trajs(n_groups=4, group_size=8, seed=0)

@@ -14,17 +14,18 @@ none of that is needed. This module gives the same actor bodies (`_TrainWorker`,
   own processes, never a network peer (network wires stay msgpack, docs/design.md §9.7);
   the zygote forks only for processes of its own user (SO_PEERCRED), and a requester
   talks only to a zygote of its own user;
-- the handle mimics the part of Ray's API the launch code uses: `handle.method.remote()`
-  returns a ref that is awaitable (asyncio) or resolved with `get`/`wait`; a method
-  that raised re-raises its own exception in the caller; an actor whose process is
-  gone fails every pending and later call with `ActorDiedError`;
+- the handle has the face every launcher's has (`areal_like/launcher/base.py`):
+  `handle.method.remote()` returns a ref that is awaitable (asyncio) or resolved with
+  `get`/`wait`; a method that raised re-raises its own exception in the caller; an
+  actor whose process is gone fails every pending and later call with `ActorDied`;
 - any process may ask the zygote for an actor (the rollout controller starts its
   servers this way, a restart too), by the zygote's socket address;
 - fate: an actor exits when its requester's end closes (the requester died or killed
   it), the zygote when the process that started it goes.
 
-`get`, `wait`, `kill` and `is_actor_death` accept Ray's refs and handles too, so the
-worker group and the server pool are written once for both launchers.
+`Zygote` is the local launcher (`LocalLauncher`): the same `spawn`, `place`, `kill`,
+`shutdown` as `RayLauncher`, so the worker group and the server pool are written once
+for both.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["choose_launcher", "ActorDiedError", "LocalActor", "LocalRef", "Zygote", "get", "wait", "kill", "is_actor_death"]
+from areal_like.launcher.base import ActorCallError, ActorDied, ActorDiedError, Placement, Ref, get, is_actor_death, \
+    kill, wait
 
-from areal_like.core.actors import ActorDiedError, LocalRef, get, is_actor_death, kill, wait  # noqa: E402
+__all__ = ["ActorDied", "ActorDiedError", "LocalActor", "LocalLauncher", "LocalRef", "Zygote", "get", "wait", "kill",
+           "is_actor_death"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,40 @@ PRELOAD = (
 # ---------------------------------------------------------------------------------------
 # the caller's side
 # ---------------------------------------------------------------------------------------
+class LocalRef(Ref):
+    """The pending result of one call to a local actor."""
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self.future = future
+
+    def __await__(self) -> Any:
+        return asyncio.wrap_future(self.future).__await__()
+
+    @classmethod
+    def _get_many(cls, refs: list[Any], timeout: float | None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for r in refs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out.append(r.future.result(timeout=left))
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"no result within {timeout}s") from None
+        return out
+
+    @classmethod
+    def _wait_many(cls, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            done = [r for r in refs if r.future.done()]
+            if len(done) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
+                done = done[:num_returns]
+                return done, [r for r in refs if r not in done]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            concurrent.futures.wait([r.future for r in refs if not r.future.done()], timeout=left,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+
 class _Method:
     def __init__(self, actor: LocalActor, name: str) -> None:
         self.actor, self.actor_name = actor, name
@@ -113,7 +150,7 @@ class LocalActor:
                 self._conn.send_bytes(_call_frame("call", call_id, method, (args, kwargs)))
             except (OSError, EOFError) as e:
                 self._pending.pop(call_id, None)
-                fut.set_exception(ActorDiedError(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {e}"))
+                fut.set_exception(ActorDied(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {e}"))
         return LocalRef(fut)
 
     def _read(self) -> None:
@@ -149,7 +186,7 @@ class LocalActor:
     def _death(self) -> BaseException:
         if self._init_error is not None:
             return self._init_error
-        return ActorDiedError(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {self._dead}")
+        return ActorDied(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {self._dead}")
 
     @property
     def actor_alive(self) -> bool:
@@ -180,33 +217,14 @@ def _settle(fut: concurrent.futures.Future[Any], ok: bool, value: Any) -> None:
         pass
 
 
-def choose_launcher(cfg: Any, user: dict[str, Any] | None = None) -> str:
-    """`ray` or `local` for an `ExperimentConfig`'s `cluster.launcher` (docs/design.md
-    §10.15; here, light to import, so the CLI can start the zygote first): `auto` is `local`
-    when nothing needs Ray: no cluster to join, no GPUs and the embedded engine. Python
-    objects from the API (reward functions, tools) do not decide it: they travel by value
-    either way. `user` is accepted for the callers' symmetry."""
-    c = cfg.cluster
-    if c.launcher != "auto":
-        if c.launcher == "local" and c.ray_address:
-            from areal_like.core.config import ConfigError
-
-            raise ConfigError("cluster.launcher=local starts plain processes on this machine: it cannot join "
-                              f"the Ray cluster at cluster.ray_address={c.ray_address} (use launcher ray)")
-        return c.launcher
-    gpus = (c.rollout_pool.num_gpus or 0) + (c.train_pool.num_gpus or 0)
-    engine = cfg.rollout.engine
-    if (c.ray_address or gpus or engine.type != "embedded" or getattr(engine, "device", "cpu") != "cpu"
-            or cfg.train.backend.device != "cpu"):
-        return "ray"
-    return "local"  # the API's callables travel by value (`_call_frame`), whatever defined them
-
-
 # ---------------------------------------------------------------------------------------
 # the zygote
 # ---------------------------------------------------------------------------------------
 class Zygote:
-    """A client of the zygote at `address` (a Linux abstract Unix socket name)."""
+    """The local launcher: a client of the zygote at `address` (a Linux abstract Unix
+    socket name), which is also what `areal_like.launcher.connect` takes."""
+
+    runtime: str | None = None  # plain processes: no runtime to bring up, nothing to place
 
     def __init__(self, address: str, proc: subprocess.Popen[bytes] | None = None) -> None:
         self.address = address
@@ -218,7 +236,7 @@ class Zygote:
         """Start a zygote; it imports `preload` in the background while the caller goes on."""
         address = f"areal-like-zygote-{os.getpid()}-{os.urandom(4).hex()}"
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.Popen([sys.executable, "-m", "areal_like.orchestration.local_actors", address,
+        proc = subprocess.Popen([sys.executable, "-m", "areal_like.launcher.local", address,
                                  ",".join(preload)], stdin=subprocess.PIPE, env=env)
         return cls(address, proc)
 
@@ -242,10 +260,13 @@ class Zygote:
                 time.sleep(0.02)
 
     def spawn(self, cls: type, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *, name: str,
-              threads: int | None = None, env: dict[str, str] | None = None,
-              stdio: str | None = None) -> LocalActor:
+              cpus: float = 0.0, gpus: float = 0.0, threads: int | None = None, env: dict[str, str] | None = None,
+              stdio: str | None = None, placement: Placement | None = None, concurrency: int | None = None,
+              record_calls: bool = True, zero_copy_tensors: bool = False) -> LocalActor:
         """A new actor process running `cls(*args, **kwargs)`, with `threads` torch threads;
-        its stdout and stderr go to the file `stdio` when given."""
+        its stdout and stderr go to the file `stdio` when given. The resources, placement
+        and call options of `Launcher.spawn` are Ray's business: one machine, no
+        reservations, every async call runs at once, no call records."""
         kwargs = kwargs or {}
         target = f"{cls.__module__}:{cls.__qualname__}"
         init = _call_frame("init", 0, target, (args, kwargs))  # refuses what cannot travel, here
@@ -262,6 +283,26 @@ class Zygote:
         actor._conn.send_bytes(init)
         return actor
 
+    async def aspawn(self, cls: type, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                     **options: Any) -> LocalActor:
+        """`spawn` on a thread: it waits for the zygote (at first, for its imports)."""
+        return await asyncio.to_thread(lambda: self.spawn(cls, args, kwargs, **options))
+
+    def up(self) -> None:
+        """Nothing to bring up: the zygote started with this launcher."""
+
+    def place(self, name: str, bundles: list[dict[str, float]], strategy: str = "PACK") -> None:
+        """Nothing to place: every actor is a process of this machine."""
+        return None
+
+    def remove(self, group: Any) -> None:
+        pass
+
+    def kill(self, handle: Any) -> None:
+        kill(handle)
+
+    def shutdown(self) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop the zygote this process started (its actors go when their callers do)."""
@@ -550,7 +591,7 @@ def _send(conn: Connection, msg: Any) -> None:
         data = pickle.dumps(msg, protocol=5)
     except Exception as e:  # an unpicklable result: say so instead of hanging the caller
         data = pickle.dumps((msg[0] if msg[0] == "err" else "err", msg[1],
-                             RuntimeError(f"result could not be returned: {type(e).__name__}: {e}")), protocol=5)
+                             ActorCallError(f"result could not be returned: {type(e).__name__}: {e}")), protocol=5)
     with _send_lock:
         try:
             conn.send_bytes(data)
@@ -559,14 +600,15 @@ def _send(conn: Connection, msg: Any) -> None:
 
 
 def _portable(e: BaseException) -> BaseException:
-    """The exception itself when it pickles (so the caller can catch its type), else a
-    RuntimeError with its text; either way with the actor's traceback as a note."""
+    """The exception itself when it pickles (so the caller can catch its type), else an
+    `ActorCallError` (a RuntimeError) with its text; either way with the actor's traceback
+    as a note."""
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     try:
         pickle.loads(pickle.dumps(e))
         out = e
     except Exception:
-        out = RuntimeError(f"{type(e).__name__}: {e}")
+        out = ActorCallError(f"{type(e).__name__}: {e}")
     try:
         out.add_note(f"in actor process {os.getpid()}:\n{tb}")
     except Exception:
@@ -574,6 +616,10 @@ def _portable(e: BaseException) -> BaseException:
     out.__traceback__ = None
     out.__cause__ = out.__context__ = None
     return out
+
+
+LocalLauncher = Zygote
+"""The local launcher (the zygote's client is all it needs)."""
 
 
 if __name__ == "__main__":
