@@ -203,7 +203,7 @@ def bench_weight_sync(size: int, root: Path, reps: int, servers: int = 2) -> dic
                 with _PeakRSS() as rss:
                     for v in range(1, reps + 1):
                         t0 = time.perf_counter()
-                        meta = sender.send(v, group.named_weights()) if path == "old" else sender.send_current(v)
+                        meta = sender.send(v, group.named_weights()) if path == "old" else sender.publish(v, group)
                         t_sent = time.perf_counter()
                         receiving = loop.create_task(pool.receive(meta))
                         waited: list[float] = []

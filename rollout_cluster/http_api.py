@@ -120,8 +120,9 @@ def prometheus_text(metrics: dict[str, float], prefix: str = "areal_rollout_") -
 class ServedModel(Protocol):
     """What the HTTP API needs of the server behind it (a `RolloutServer`).
 
-    `top_logprobs(prompt_ids, token_ids, k, temperature)` is optional: without it,
-    requests for `top_logprobs` > 0 are refused with a 400.
+    `top_logprobs(prompt_ids, token_ids, k, temperature)` refuses with a `RequestError`
+    where the engine cannot score (vLLM): requests for `top_logprobs` > 0 then get a 400.
+    `can_stream` says whether a reply can be streamed while it is generated.
     """
 
     tokenizer: Any
@@ -139,6 +140,13 @@ class ServedModel(Protocol):
     async def generate_n(
         self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
     ) -> list[GenerateResult]: ...
+
+    @property
+    def can_stream(self) -> bool: ...
+
+    async def top_logprobs(
+        self, prompt_ids: list[int], token_ids: list[int], k: int, temperature: float
+    ) -> list[list[tuple[int, float]]]: ...
 
     def health(self) -> dict[str, Any]: ...
 
@@ -344,7 +352,7 @@ class HttpServer:
         tool call is only known once the reply is whole): else None, and the stream
         starts when generation ends."""
         if not (opts.stream and params.n == 1 and not opts.logprobs and not opts.top_logprobs
-                and not parse_calls and getattr(self.server, "can_stream", False)):
+                and not parse_calls and self.server.can_stream):
             return None
         decode, _ = self._decoders()
         return _Live(request, decode, chat, rid, self.server.model_name, opts.include_usage)
@@ -355,14 +363,8 @@ class HttpServer:
         """The k most likely tokens at each generated position (None per choice when k=0)."""
         if k == 0:
             return [None] * len(results)
-        score = getattr(self.server, "top_logprobs", None)
-        if score is None:
-            raise ApiError(
-                400,
-                "top_logprobs is not available from this server's engine; ask for logprobs only",
-                param="top_logprobs",
-            )
-        return [await score(ids, r.token_ids, k, params.temperature) for r in results]
+        # An engine that cannot score refuses with a RequestError: a 400, like any refusal.
+        return [await self.server.top_logprobs(ids, r.token_ids, k, params.temperature) for r in results]
 
     async def _stream(self, request: web.Request, chunks: list[dict[str, Any]],
                       live: _Live | None = None) -> web.StreamResponse:

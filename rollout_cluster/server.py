@@ -209,9 +209,7 @@ class RolloutServer:
     @property
     def can_stream(self) -> bool:
         """Whether the engine hands out tokens as they are generated (`on_tokens`)."""
-        import inspect
-
-        return "on_tokens" in inspect.signature(self.engine.submit).parameters
+        return self.engine.streams_tokens
 
     async def generate_n(
         self,
@@ -233,42 +231,14 @@ class RolloutServer:
         """The `k` most likely tokens and their logprobs at each position of `token_ids`.
 
         The engine returns only the sampled token's logprob (all RL needs), so OpenAI's
-        `top_logprobs` are computed here by scoring prompt + response once with the
-        engine's own model, on the engine thread between steps (as costly as one
-        prefill; nothing runs unless a request asks). Same distribution as the
-        behaviour logprobs: `log_softmax(logits / T)`, T = 1 for greedy requests. Only
-        the embedded engine exposes its model; others refuse with a `RequestError`.
+        `top_logprobs` are computed by scoring prompt + response once with the
+        engine's own model (`AsyncEngine.top_logprobs`: on the engine thread between
+        steps, as costly as one prefill; nothing runs unless a request asks). Same
+        distribution as the behaviour logprobs: `log_softmax(logits / T)`, T = 1 for
+        greedy requests. Only the embedded engine exposes its model; others refuse with
+        a `RequestError` (the `AsyncGenerateEngine` default).
         """
-        from rollout_cluster.engine.base import RequestError
-
-        call = getattr(self.engine, "call", None)
-        inner = getattr(self.engine, "engine", None)
-        if call is None or getattr(inner, "model", None) is None:
-            raise RequestError(
-                f"top_logprobs needs the embedded engine; {type(self.engine).__name__} returns sampled-token "
-                "logprobs only (ask for logprobs without top_logprobs)"
-            )
-        if not token_ids or k <= 0:
-            return [[] for _ in token_ids]
-        temp = temperature if temperature > 0 else 1.0
-        seq = list(prompt_ids) + list(token_ids[:-1])
-        start = len(prompt_ids) - 1
-
-        def score(engine: Any) -> list[list[tuple[int, float]]]:
-            import torch
-
-            model = engine.model
-            device = next(model.parameters()).device
-            with torch.inference_mode():
-                logits = model(torch.tensor([seq], device=device)).logits[0, start:].float()
-                logp = torch.log_softmax(logits / temp, dim=-1)
-                values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            return [
-                list(zip(row_i, row_v, strict=True))
-                for row_i, row_v in zip(indices.tolist(), values.tolist(), strict=True)
-            ]
-
-        return await call(score)
+        return await self.engine.top_logprobs(prompt_ids, token_ids, k, temperature)
 
     async def abort(self, request_ids: Iterable[str]) -> list[GenerateResult]:
         return await self.engine.abort(request_ids)
@@ -287,11 +257,7 @@ class RolloutServer:
         state. Idempotent."""
         if on == (self._held_since is not None):
             return
-        hold = getattr(self.engine, "hold", None)
-        if hold is None:
-            raise RuntimeError(f"the engine {type(self.engine).__name__} cannot hold for a train step "
-                               "(cluster.colocate): it has no hold(on)")
-        await hold(on)
+        await self.engine.hold(on)  # an engine that cannot refuses (`AsyncGenerateEngine.hold`)
         if on:
             self._held_since = time.perf_counter()
         else:
@@ -309,9 +275,8 @@ class RolloutServer:
     async def join_weights(self, rendezvous: str) -> None:
         """Register in the trainer's weight group at `rendezvous`, so the next version
         includes this server (a transfer reaches only members registered before it)."""
-        join = getattr(self.engine, "join_weights", None)
-        if join is not None:  # the engine receives in its own workers (vLLM)
-            await join(rendezvous, self._receiver_name)
+        if self.engine.receives_weights:  # the engine receives in its own workers (vLLM)
+            await self.engine.join_weights(rendezvous, self._receiver_name)
             return
         if self._receiver is not None and rendezvous != self._joined:
             await asyncio.to_thread(self._receiver.join, rendezvous)
@@ -322,9 +287,9 @@ class RolloutServer:
         interrupted, KV dropped and re-prefilled per `interrupt_mode`). A failed receive
         raises `WeightSyncError` and leaves the server on its old version, serving."""
         t0 = time.perf_counter()
-        engine_receive = getattr(self.engine, "receive_weights", None)
-        if engine_receive is not None:  # vLLM: every worker is a member and loads in place
-            version = await engine_receive(meta, rendezvous, self._receiver_name, self._receive_timeout_s)
+        if self.engine.receives_weights:  # vLLM: every worker is a member and loads in place
+            version = await self.engine.receive_weights(meta, rendezvous, self._receiver_name,
+                                                        self._receive_timeout_s)
         else:
             if self._receiver is None:
                 raise RuntimeError("this server has no weight receiver (attach_receiver was not called)")
@@ -346,14 +311,7 @@ class RolloutServer:
     async def export_weights(self) -> list[tuple[str, Any]]:
         """The served weights by HF name (copies), for a restarted sibling to start from
         the version the others serve. The embedded engine only."""
-        call = getattr(self.engine, "call", None)
-        if call is None:
-            raise RuntimeError(f"{type(self.engine).__name__} cannot export its weights")
-
-        def grab(engine: Any) -> list[tuple[str, Any]]:
-            return [(n, t.detach().to("cpu", copy=True)) for n, t in engine.model.state_dict().items()]
-
-        return await call(grab)
+        return await self.engine.export_weights()
 
     # ---- health and metrics ---------------------------------------------------------
 

@@ -79,7 +79,7 @@ class ServerActor:
         receiver = make_receiver(ws_cfg, self.name, device="cpu" if device == "cpu" else device,
                                  default_disk_path=disk_path)
         self.server.attach_receiver(receiver, self.name, ws_cfg.timeout_s)
-        if self.lend and hasattr(self.server.engine, "lender"):  # the embedded engine on CPU
+        if self.lend and self.server.engine.lends_threads:  # the embedded engine on CPU
             from areal_like.core.cores import CoreLedger, ThreadLender
 
             ledger = CoreLedger(self.lend["path"], "rollout", int(self.lend["index"]))
@@ -132,7 +132,7 @@ class ServerActor:
 
     def metrics(self) -> dict[str, float]:
         m = self.server.metrics() if self.server is not None else {}
-        lender = getattr(getattr(self.server, "engine", None), "lender", None)
+        lender = self.server.engine.lender if self.server is not None else None
         if lender is not None:
             m["borrowed_thread_s"] = lender.borrowed_s
         # CPU seconds of this process, every thread (the dashboard's cores used per pool);

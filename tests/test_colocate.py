@@ -20,7 +20,7 @@ from areal_like.core.types import SamplingParams
 from areal_like.orchestration.pools import check_pools, rollout_bundles, train_bundles
 from areal_like.orchestration.trainer_side import weight_sync_device
 from rollout_cluster.engine import AsyncEngine, EmbeddedEngine
-from rollout_cluster.engine.vllm_engine import engine_args_kwargs
+from rollout_cluster.engine.vllm_translate import engine_args_kwargs
 from rollout_cluster.server import RolloutServer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -64,6 +64,9 @@ class FakeTrainer:
 class FakeWeights:
     rendezvous = None
 
+    def publish(self, version, trainer):
+        return self.send(version, trainer.named_weights())
+
     def send(self, version, named_tensors):
         dict(named_tensors)
         return WeightUpdateMeta(version=version, transport="disk", tensors=[], checksum="x")

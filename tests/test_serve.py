@@ -31,6 +31,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from areal_like.core.types import GenerateResult  # noqa: E402
+from rollout_cluster.engine.base import AsyncGenerateEngine  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 QUICKSTART_MODEL = ROOT / "areal_like" / "assets" / "quickstart_model"
@@ -222,7 +223,7 @@ def test_sigint_stops_serve_cleanly(served: Served) -> None:
 # ---- tool calls, end to end, against a scripted engine ---------------------------------------------
 
 
-class ScriptedEngine:
+class ScriptedEngine(AsyncGenerateEngine):
     """An `AsyncGenerateEngine` that answers every request with the same token ids."""
 
     max_seq_len = 512

@@ -76,6 +76,11 @@ class _TrainWorker:
         process_logging(f"train[{rank}]", log_level, log_file, console)
         self.rank, self.world_size = rank, world_size
         self.engine: Any = None
+        self.offload = False  # set by `setup`
+        self.ledger: Any = None
+        """The machine's `CoreLedger` where this rank lends threads (set by `setup`)."""
+        self.sender: Any = None
+        """Rank 0's weight sender (`start_weight_sender`)."""
 
     def store_addr(self) -> str:
         """Rank 0 hosts the TCPStore: its node address and a free port (the loopback
@@ -121,10 +126,10 @@ class _TrainWorker:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         import time
 
-        ledger = getattr(self, "ledger", None)
+        ledger = self.ledger
         if ledger is not None:
             ledger.working(True)
-        offload = getattr(self, "offload", False)
+        offload = self.offload
         try:
             if offload:
                 self.engine.onload()
@@ -142,7 +147,7 @@ class _TrainWorker:
         return stats
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        if not getattr(self, "offload", False):
+        if not self.offload:
             return self.engine.compute_logprobs(batch)
         self.engine.onload()
         try:
@@ -194,12 +199,11 @@ class _TrainWorker:
 
     def weights_forget(self) -> None:
         """Rank 0: the rollout side is gone; its sender stops waiting for its receivers."""
-        sender = getattr(self, "sender", None)
-        if sender is not None:
-            sender.forget_receivers()
+        if self.sender is not None:
+            self.sender.forget_receivers()
 
     def close_weight_sender(self) -> None:
-        sender = getattr(self, "sender", None)
+        sender = self.sender
         if sender is not None:
             self.sender = None
             sender.close()
@@ -362,9 +366,9 @@ class TrainWorkerGroup:
 class WorkerWeightSender:
     """The `WeightPublisher` the trainer controller sees when rank 0 holds the sender.
 
-    `send_current(version)` asks every rank to hand its weights to rank 0's sender (the
-    meta comes back, a few KB); `wait` and `last_transfer` ask rank 0. Nothing of the
-    weights crosses the launcher's calls or reaches the driver.
+    `publish(version, trainer)` asks every rank to hand its weights to rank 0's sender
+    (the meta comes back, a few KB); `wait` and `last_transfer` ask rank 0. Nothing of
+    the weights crosses the launcher's calls or reaches the driver.
     """
 
     def __init__(self, group: TrainWorkerGroup, rendezvous: str | None) -> None:
@@ -380,15 +384,14 @@ class WorkerWeightSender:
     def last_transfer(self) -> Any:
         return self._last
 
-    def send_current(self, version: int) -> Any:
+    def publish(self, version: int, trainer: Any = None) -> Any:
+        """The weights go from the ranks to rank 0's sender, never through here: `trainer`
+        (the group itself) is not read."""
         from areal_like.core.types import WeightUpdateMeta
 
         metas = _get(self.group.workers, [w.send_weights.remote(version) for w in self.group.workers],
                      "send_weights")
         return WeightUpdateMeta.model_validate(metas[0])
-
-    def send(self, version: int, named_tensors: Any) -> Any:
-        raise TypeError("the weights are sent from rank 0: call send_current(version)")
 
     def forget_receivers(self) -> None:
         """Tell rank 0's sender, without waiting for the answer: rank 0 may be inside a

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from areal_like.core.config import ConfigError, ExperimentConfig
+
+if TYPE_CHECKING:
+    from areal_like.orchestration.console import Progress
 
 app = typer.Typer(
     help="areal_like: fully asynchronous, decoupled RL for language models.",
@@ -221,15 +225,14 @@ def _console(cfg: ExperimentConfig) -> None:
     setup_console(cfg.run.verbose)
 
 
-def _print_start(side: object, progress: object = None) -> None:
+def _print_start(side: object, progress: Progress | None = None) -> None:
     data, control = side.addresses  # type: ignore[attr-defined]
     typer.secho(f"trainer listening: data {data}  control {control}", fg=typer.colors.CYAN)
-    start = getattr(progress, "start", None)
-    if start is not None:
-        start(run_dir=side.cfg.run.dir, dashboard_url=getattr(side, "dashboard_url", None))  # type: ignore[attr-defined]
+    if progress is not None:
+        progress.start(run_dir=side.cfg.run.dir, dashboard_url=getattr(side, "dashboard_url", None))  # type: ignore[attr-defined]
 
 
-def _progress(cfg: ExperimentConfig):  # noqa: ANN202
+def _progress(cfg: ExperimentConfig) -> Progress:
     from areal_like.orchestration.console import Progress
 
     return Progress(cfg.train.total_steps)

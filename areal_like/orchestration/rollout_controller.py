@@ -198,9 +198,8 @@ class RolloutController:
             group_id=gid, trajectories=trajs, failed=len(reasons), rejected=rejected, failure_reasons=reasons[:4]
         )
         await self._send(self._stamp(group))
-        record = getattr(self.source, "record", None)
-        if record is not None:  # a prompt every sample solves, again and again, may be skipped
-            record(row, [t.reward for t in trajs], self.n)
+        # a prompt every sample solves, again and again, may be skipped
+        self.source.record(row, [t.reward for t in trajs], self.n)
         if epoch != self.epoch:  # the trainer restarted meanwhile: the old epoch's, not counted here
             self._sending.discard(gid)
             return

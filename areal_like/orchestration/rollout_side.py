@@ -57,7 +57,8 @@ class RolloutSide:
                 )
         self.placement_group = placement_group
         self.pool: Any = None
-        self.manager: Any = None
+        self.manager: Any = None  # a `ServerManager` once the servers are built
+        self.runner: Any = None  # the `AgentRunner` over them
         self._rates = _Rates()
         self._weights_lock = asyncio.Lock()
         self._version = 0
@@ -261,7 +262,7 @@ class RolloutSide:
         busy = any(m.get("running", 0.0) > 0 or m.get("queue_depth", 0.0) > 0 for m in per)
         generated = total("generated_tokens")
         cpu = time.process_time() + total("process_cpu_s")
-        episodes = getattr(getattr(self, "runner", None), "seconds", {})
+        episodes = self.runner.seconds if self.runner is not None else {}
         return RolloutCounters(
             generate_seconds_total=total("engine_step_seconds_total"),
             engine_idle_seconds_total=total("engine_idle_seconds_total"),

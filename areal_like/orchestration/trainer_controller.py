@@ -96,10 +96,14 @@ class TrainerHandle(Protocol):
 
 
 class WeightPublisher(Protocol):
-    """Snapshot weights as a version and return the meta; `wait` until delivered. One that
-    also has `send_current(version)` reads the weights itself (rank 0's sender)."""
+    """Snapshot the trainer's weights as a version and return the meta; `wait` until
+    delivered."""
 
-    def send(self, version: int, named_tensors: Any) -> WeightUpdateMeta: ...
+    def publish(self, version: int, trainer: TrainerHandle) -> WeightUpdateMeta:
+        """Take the trainer's current weights as `version`. A publisher that lives with the
+        weights (rank 0's sender, `WorkerWeightSender`) has them handed over itself; one
+        that does not reads `trainer.named_weights()`."""
+        ...
 
     def wait(self, timeout: float | None = None) -> Any: ...
 
@@ -488,12 +492,10 @@ class TrainerController:
         return done
 
     def _send_weights(self, version: int) -> WeightUpdateMeta:
-        """Hand the trainer's current weights to the transport as `version`. A publisher
-        that lives with the weights (rank 0's sender) takes them itself; otherwise they
-        are read here and given to it."""
-        own = getattr(self.weights, "send_current", None)
+        """Hand the trainer's current weights to the transport as `version`
+        (`WeightPublisher.publish`)."""
         with self.budget.phase("publish"):
-            meta = own(version) if own is not None else self.weights.send(version, self.trainer.named_weights())
+            meta = self.weights.publish(version, self.trainer)
         return meta.model_copy(update={"epoch": self.peers.epoch})
 
     def _while_waiting(self, v: int) -> None:

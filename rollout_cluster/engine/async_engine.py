@@ -30,11 +30,13 @@ from typing import Any, NamedTuple
 
 from areal_like.core.types import GenerateResult, SamplingParams
 from rollout_cluster.engine.base import (
+    AsyncGenerateEngine,
     DuplicateRequestError,
     Engine,
     EngineClosedError,
     EngineRequest,
     NamedTensors,
+    RequestError,
     RequestOutput,
     validate_request,
 )
@@ -80,8 +82,11 @@ def _resolve(fut: asyncio.Future, value: Any, error: BaseException | None) -> No
         fut.set_result(value)
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncGenerateEngine):
     """Asyncio face of a step-based engine (implements `AsyncGenerateEngine`)."""
+
+    streams_tokens = True
+    lends_threads = True
 
     def __init__(self, engine: Engine, *, name: str = "rollout-engine") -> None:
         self.engine = engine
@@ -211,6 +216,54 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps (tests, admin)."""
         return await self._submit(EngineCommand.CALL, fn)
+
+    async def top_logprobs(
+        self, prompt_ids: list[int], token_ids: list[int], k: int, temperature: float
+    ) -> list[list[tuple[int, float]]]:
+        """The `k` most likely tokens and their logprobs at each position of `token_ids`,
+        scored once with the engine's own model (`Engine.model`) on the engine thread
+        between steps (as costly as one prefill). Same distribution as the behaviour
+        logprobs: `log_softmax(logits / T)`, T = 1 for greedy requests. An engine that
+        exposes no model refuses with a `RequestError`."""
+        if self.engine.model is None:
+            raise RequestError(
+                f"top_logprobs needs the embedded engine; {type(self.engine).__name__} returns sampled-token "
+                "logprobs only (ask for logprobs without top_logprobs)"
+            )
+        if not token_ids or k <= 0:
+            return [[] for _ in token_ids]
+        temp = temperature if temperature > 0 else 1.0
+        seq = list(prompt_ids) + list(token_ids[:-1])
+        start = len(prompt_ids) - 1
+
+        def score(engine: Engine) -> list[list[tuple[int, float]]]:
+            import torch
+
+            model = engine.model
+            assert model is not None
+            device = next(model.parameters()).device
+            with torch.inference_mode():
+                logits = model(torch.tensor([seq], device=device)).logits[0, start:].float()
+                logp = torch.log_softmax(logits / temp, dim=-1)
+                values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            return [
+                list(zip(row_i, row_v, strict=True))
+                for row_i, row_v in zip(indices.tolist(), values.tolist(), strict=True)
+            ]
+
+        return await self.call(score)
+
+    async def export_weights(self) -> list[tuple[str, Any]]:
+        """The served weights by HF name (CPU copies, taken between steps)."""
+        if self.engine.model is None:
+            raise RuntimeError(f"{type(self.engine).__name__} cannot export its weights")
+
+        def grab(engine: Engine) -> list[tuple[str, Any]]:
+            model = engine.model
+            assert model is not None
+            return [(n, t.detach().to("cpu", copy=True)) for n, t in model.state_dict().items()]
+
+        return await self.call(grab)
 
     def metrics(self) -> dict[str, float]:
         """Engine counters and gauges as of the last step boundary.

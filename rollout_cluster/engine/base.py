@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import ValidationError
 
-from areal_like.core.types import GenerateResult, SamplingParams, StopReason
+from areal_like.core.types import GenerateResult, SamplingParams, StopReason, WeightUpdateMeta
 
 if TYPE_CHECKING:
     import torch
@@ -339,13 +339,45 @@ class Engine(abc.ABC):
     def metrics(self) -> dict[str, float]:
         """Counters plus gauges (queue depth, running, KV usage), as plain floats."""
 
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The HF module the engine runs, where it exposes one (the embedded engine):
+        what `AsyncEngine.top_logprobs` scores with and `export_weights` copies. Default:
+        None, this engine does not."""
+        return None
+
 
 @runtime_checkable
 class AsyncGenerateEngine(Protocol):
-    """What `RolloutServer` hosts: `AsyncEngine(EmbeddedEngine)` or `VLLMEngine`."""
+    """What `RolloutServer` hosts: `AsyncEngine(EmbeddedEngine)` or `VLLMEngine`.
+
+    The optional capabilities are part of the contract, with explicit defaults (an
+    engine subclasses this protocol to inherit them), so the server calls them instead
+    of probing the engine for methods: `streams_tokens`, `lends_threads`, `hold`, `top_logprobs`,
+    `export_weights`, and the weight group's engine side (`receives_weights`,
+    `join_weights`, `receive_weights`). A default either says "not here" (False) or
+    refuses with the error a caller of an engine without the capability gets.
+    """
 
     max_seq_len: int
     vocab_size: int
+
+    streams_tokens: bool = False
+    """`submit(request, on_tokens=...)` hands out tokens as they are generated (the
+    embedded engine); otherwise `submit` takes the request only."""
+
+    lends_threads: bool = False
+    """On a machine shared with the trainer, the engine can borrow and lend CPU threads
+    through a `core.cores.ThreadLender` in `lender` (the embedded engine); the server
+    actor sets one only where this is True."""
+
+    lender: Any = None
+    """That `ThreadLender`, or None (not lending)."""
+
+    receives_weights: bool = False
+    """The engine's own workers are members of the trainer's weight group and load what
+    they receive (vLLM: `join_weights`, `receive_weights`); otherwise the server's
+    receiver takes the version and hands it to `update_weights`."""
 
     @property
     def version(self) -> int: ...
@@ -371,6 +403,40 @@ class AsyncGenerateEngine(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
     async def close(self) -> None: ...
+
+    # ---- optional capabilities, with their defaults ------------------------------------
+
+    async def hold(self, on: bool) -> None:
+        """`cluster.colocate`: pause for the trainer's step (`True`), requests kept, or
+        run again. Default: this engine cannot."""
+        raise RuntimeError(f"the engine {type(self).__name__} cannot hold for a train step "
+                           "(cluster.colocate): it has no hold(on)")
+
+    async def top_logprobs(
+        self, prompt_ids: list[int], token_ids: list[int], k: int, temperature: float
+    ) -> list[list[tuple[int, float]]]:
+        """The `k` most likely tokens and their logprobs at each position of `token_ids`
+        (`RolloutServer.top_logprobs`). Default: refused, with a `RequestError`."""
+        raise RequestError(
+            f"top_logprobs needs the embedded engine; {type(self).__name__} returns sampled-token "
+            "logprobs only (ask for logprobs without top_logprobs)"
+        )
+
+    async def export_weights(self) -> list[tuple[str, Any]]:
+        """The served weights by HF name (CPU copies). Default: this engine cannot."""
+        raise RuntimeError(f"{type(self).__name__} cannot export its weights")
+
+    async def join_weights(self, rendezvous: str, name: str, timeout_s: float = 120.0) -> list[str]:
+        """`receives_weights` engines: register the engine's workers in the weight group
+        at `rendezvous`; returns their member names. Default: not such an engine."""
+        raise NotImplementedError(f"{type(self).__name__} has no weight-group members of its own")
+
+    async def receive_weights(
+        self, meta: WeightUpdateMeta, rendezvous: str | None, name: str, timeout_s: float
+    ) -> int:
+        """`receives_weights` engines: receive version `meta.version` in the engine's own
+        workers and load it; returns the version. Default: not such an engine."""
+        raise NotImplementedError(f"{type(self).__name__} has no weight-group members of its own")
 
 
 def finished_result(

