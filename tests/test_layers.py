@@ -17,8 +17,8 @@ import ast
 import io
 import re
 import subprocess
-import tokenize
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

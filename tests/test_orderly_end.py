@@ -19,7 +19,7 @@ from areal_like.core.types import (
 )
 from areal_like.orchestration.dataset import PromptSource
 from areal_like.orchestration.rollout_controller import RolloutController
-from rollout_cluster.server_manager import ServerManager
+from rollout_cluster.server_manager import NoServerAvailableError, ServerManager
 
 
 def _rows(n: int) -> list[dict]:
@@ -128,7 +128,7 @@ def test_a_server_failing_once_the_run_ends_is_not_restarted(closing: bool) -> N
                           restart_backoff_s=0.0, failure_exceptions=(ConnectionError,))
         if closing:
             m.begin_close()
-        with pytest.raises(Exception):
+        with pytest.raises(NoServerAvailableError):
             await m.generate(request_id="r", prompt_ids=[1], sampling_params=SamplingParams(max_tokens=1))
         await asyncio.sleep(0.05)
         await m.close()

@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 @pytest.fixture(scope="module")
 def model_100m(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from areal_like.models.tiny_model import init_model
     from scale_out import _SIZES  # the benchmark's 100M layout: one definition of "100M"
+
+    from areal_like.models.tiny_model import init_model
 
     out = tmp_path_factory.mktemp("model_100m") / "model"
     init_model(out, **_SIZES[100], max_position_embeddings=512)

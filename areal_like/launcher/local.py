@@ -50,8 +50,17 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from areal_like.launcher.base import ActorCallError, ActorDied, ActorDiedError, Placement, Ref, get, is_actor_death, \
-    kill, wait
+from areal_like.launcher.base import (
+    ActorCallError,
+    ActorDied,
+    ActorDiedError,
+    Placement,
+    Ref,
+    get,
+    is_actor_death,
+    kill,
+    wait,
+)
 
 __all__ = ["ActorDied", "ActorDiedError", "LocalActor", "LocalLauncher", "LocalRef", "Zygote", "get", "wait", "kill",
            "is_actor_death"]

@@ -298,9 +298,8 @@ class RolloutSide:
 def _is_server_death(error: BaseException) -> bool:
     """The server is gone (its actor) or can serve nothing again (its engine is dead):
     restart it, as a failed `generate` would, rather than wait for a later version."""
-    from rollout_cluster.engine.base import EngineDeadError
-
     from areal_like.launcher import is_actor_death
+    from rollout_cluster.engine.base import EngineDeadError
 
     cause = getattr(error, "cause", None)  # an `ActorCallError` carries what the actor raised
     return is_actor_death(error) or isinstance(error, EngineDeadError) or isinstance(cause, EngineDeadError)
