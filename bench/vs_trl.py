@@ -73,8 +73,16 @@ def _in_trl_venv() -> bool:
 
 
 def _trl_venv_ready() -> bool:
-    """Set up by bench/setup_trl.sh to the end (it writes its stamp last)."""
-    return (TRL_VENV / "bin" / "python").exists() and (TRL_VENV / ".setup_trl").exists()
+    """Set up by bench/setup_trl.sh to the end (it writes its stamp last), for this
+    pyproject.toml: the stamp is the script's own (a stale one lacks a new dependency)."""
+    import hashlib
+
+    stamp = TRL_VENV / ".setup_trl"
+    if not ((TRL_VENV / "bin" / "python").exists() and stamp.is_file()):
+        return False
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "bench" / "setup_trl.sh").read_bytes())
+    want = f"{digest.hexdigest()[:16]}-{os.environ.get('TRL_SPEC', 'trl==1.16.0')}"
+    return stamp.read_text().strip() == want
 
 
 def _reexec_in_trl_venv(argv: list[str], setup: bool) -> None:
