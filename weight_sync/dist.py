@@ -467,10 +467,12 @@ class DistWeightSender(WeightSender):
         self._joins_seen = n
         n = self._ctl.add("leave/n", 0)
         for i in range(self._leaves_seen + 1, n + 1):
-            rid = self._ctl.get(f"leave/{i}").decode()
-            left.add(rid)
-            if rid in self._known:
-                self._known.remove(rid)
+            server = self._ctl.get(f"leave/{i}").decode()
+            # A server leaves by its name; a vLLM server's workers are members of their
+            # own, `{name}-w{rank}`: they leave with it.
+            gone = {r for r in self._known if r == server or _worker_of(r, server)} | {server}
+            left |= gone
+            self._known = [r for r in self._known if r not in gone]
         self._leaves_seen = n
         return left
 
@@ -518,6 +520,12 @@ class DistWeightSender(WeightSender):
             self._drop_group()
             self._closed = True
             self._ctl = self._store = None  # type: ignore[assignment]
+
+
+def _worker_of(receiver_id: str, server: str) -> bool:
+    """Whether `receiver_id` is one of `server`'s engine workers (`{server}-w{rank}`)."""
+    head, sep, rank = receiver_id.rpartition("-w")
+    return bool(sep) and head == server and rank.isdigit()
 
 
 def leave_group(rendezvous: str, receiver_id: str, timeout_s: float = 10.0) -> None:
