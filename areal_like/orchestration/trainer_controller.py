@@ -405,6 +405,8 @@ class TrainerController:
             # whole: what this process takes in while the workers train is the train step's time
             with self.budget.phase("train", whole=True):
                 stats = self.trainer.train_on(trajectories, poll=self._during_step)
+        except (RunFailed, RunAborted):
+            raise  # the run's end found while the workers trained (the poll takes the reports in), not the step's fault
         except Exception as e:
             if _disk_full(e):
                 raise
