@@ -156,7 +156,7 @@ def test_a_refused_rollout_controller_never_touches_the_weight_group(tmp_path) -
     """A second controller that comes while the trainer has accepted one is refused
     before it joins the weight group: its servers never register with the trainer's
     sender, so the real servers miss no version waiting for them."""
-    h = Harness(tmp_path, 40)
+    h = Harness(tmp_path, 120)  # long enough that the second controller meets a running trainer
     first = h.start(h.controller(0))
     result: dict = {}
     runner = threading.Thread(target=lambda: result.setdefault("summary", h.tc.run()), daemon=True)
