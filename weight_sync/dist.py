@@ -7,6 +7,10 @@ default group and hangs (docs/design.md §8). So the sender hosts its own `TCPSt
 `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) constructed directly on a
 `PrefixStore("gen{g}/")` of it. Nothing here touches the default group.
 
+Why this file is long: it is both ends of one wire protocol (the sender, the receiver and
+the store keys, headers and commit barrier they share); kept together so a change to one
+side is read beside the other.
+
 What travels where:
 - The meta (names, dtypes, shapes, checksum) goes on the orchestrator's control
   channel. Its `path` is this transfer's address, `tcp://host:port/<sender nonce>/<seq>`,

@@ -15,6 +15,10 @@ It does not know which backend trains or which transport carries weights: it is
 handed a `TrainerHandle` and a `WeightPublisher`. `_run` is the schedule above, line
 for line; recording goes to `TrainerTelemetry`, and what keeps a stuck or resumed
 rollout side fed (`_while_waiting`) and checkpoints are calls out of it.
+
+Why this file is long: the controller still holds its policies (stragglers, weight resends,
+colocate hold, checkpoints, the end of a run); issue #32 moves them into named
+collaborators (branch `trainer-split`: 523 lines here), after which this reason goes.
 """
 
 from __future__ import annotations
