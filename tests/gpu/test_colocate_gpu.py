@@ -1,7 +1,8 @@
 """`cluster.colocate` on one GPU (docs/design.md §10.17): the trainer keeps its model and
 optimizer in host memory between steps, a vLLM server sleeps while it is held, and
-each gives the GPU memory back the other needs. Written without a GPU to run on:
-run with `scripts/test.sh --gpu` whenever one is lent."""
+each gives the GPU memory back the other needs. The offload test passed on an H200
+(2026-11-26); the vLLM sleep test has not run on a GPU yet. Run with `scripts/test.sh
+--gpu` or `tests/gpu/device_check.sh` whenever one is lent."""
 
 from __future__ import annotations
 

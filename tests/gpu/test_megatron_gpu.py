@@ -68,5 +68,21 @@ def test_megatron_gpu_bf16_trains_on_fp32_main_params_and_resumes(tiny_model_dir
     again = MegatronTrainEngine(tiny_model_dir, _cfg(lr=1e-4), dtype="bfloat16")
     assert again.load(tmp_path / "ckpt") == {"pos": 1} and again.version == 3
     assert torch.allclose(again.compute_logprobs(batch), lp, atol=1e-5)
+
+    def main_params(e) -> list[torch.Tensor]:
+        return [p for g in e.optimizer.param_groups for p in g["params"]]
+
+    def adam_state(e, p) -> dict:
+        for chained in getattr(e.optimizer, "chained_optimizers", [e.optimizer]):
+            if p in chained.optimizer.state:
+                return chained.optimizer.state[p]
+        raise KeyError("no Adam state for a main param")
+
+    # the fp32 main params, Adam's moments and its step count came back as they were saved
+    for p, q in zip(main_params(engine), main_params(again), strict=True):
+        assert torch.equal(p, q)
+        s, t = adam_state(engine, p), adam_state(again, q)
+        assert set(s) == set(t) and {"exp_avg", "exp_avg_sq"} <= set(s)
+        assert all(torch.equal(torch.as_tensor(s[k]).cpu(), torch.as_tensor(t[k]).cpu()) for k in s)
     s1, s2 = engine.train_step(batch), again.train_step(batch)
     assert s1["loss"] == pytest.approx(s2["loss"], rel=1e-3)

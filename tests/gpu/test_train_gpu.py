@@ -1,5 +1,5 @@
 """Torch backend on CUDA: a train step in this process (fp32 and bf16 over fp32 masters) and
-through a Ray `TrainWorkerGroup` (one actor holding the GPU; DDP and FSDP2 over NCCL when
+through a `TrainWorkerGroup` under each launcher (one worker holding the GPU; DDP and FSDP2 over NCCL when
 the machine has two GPUs). Skipped without CUDA (`pytest -m gpu tests/gpu`)."""
 
 from __future__ import annotations
@@ -40,21 +40,31 @@ def test_torch_engine_step_on_cuda(tiny_model_dir, dtype: str) -> None:
     assert any(not torch.equal(before[k], after[k]) for k in after)
 
 
-@pytest.fixture
-def ray_local():
+@pytest.fixture(params=["local", "ray"])
+def launcher(request):
+    """The train workers under each launcher (`areal_like.launcher`): plain processes from
+    the local launcher's zygote (each picks `cuda:rank % gpus`), and Ray actors given a GPU
+    each (where Ray is installed)."""
+    if request.param == "local":
+        from areal_like.launcher.local import Zygote
+
+        zygote = Zygote.start()
+        yield zygote
+        zygote.close()
+        return
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
-    yield ray
+    yield None  # TrainWorkerGroup connects to the Ray this process started
     ray.shutdown()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_worker_group_step_on_cuda(ray_local, tiny_model_dir, strategy: str) -> None:
+def test_worker_group_step_on_cuda(launcher, tiny_model_dir, strategy: str) -> None:
     from train_cluster.worker_group import TrainWorkerGroup
 
     world = 2 if torch.cuda.device_count() >= 2 else 1  # DDP/FSDP2 over NCCL need a GPU per rank
     group = TrainWorkerGroup(tiny_model_dir, _cfg(world_size=world, strategy=strategy), dtype="bfloat16",
-                             log_level="WARNING")
+                             log_level="WARNING", launcher=launcher)
     try:
         batch = _batch()
         lp = group.compute_logprobs(batch)

@@ -322,7 +322,8 @@ class MegatronTrainEngine(TrainEngine):
                         m.copy_(w)
         else:  # tensors, numbers and containers only: nothing on disk is unpickled as code
             self.optimizer.load_state_dict(torch.load(src / f"optimizer_rank{self.rank}.pt", weights_only=True))
-            self.optimizer.load_parameter_state(str(src / f"optimizer_params_tp{self.tp_rank}.pt"))
+            with _adam_steps_aside(self.optimizer):
+                self.optimizer.load_parameter_state(str(src / f"optimizer_params_tp{self.tp_rank}.pt"))
         _set_rng_state(torch.load(src / f"rng_rank{self.rank}.pt", weights_only=True))
         state = json.loads((src / "trainer_state.json").read_text())
         self.scheduler.load_state_dict(state["scheduler"])
@@ -413,6 +414,25 @@ class MegatronTrainEngine(TrainEngine):
         if not last and self.on_cpu and hasattr(self._model, "no_sync"):
             return self._model.no_sync()  # torch DDP: all-reduce on the last micro-batch only
         return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _adam_steps_aside(optimizer: Any) -> Iterator[None]:
+    """Megatron's parameter-state load with torch's Adam (no Apex or Transformer Engine):
+    `load_state_dict` gives every main param a `step` entry, which `load_parameter_state`
+    then expects in the file too (it saves param, exp_avg and exp_avg_sq only) and fails
+    with KeyError 'step' (megatron-core 0.16.1, seen on an H200). The steps are set aside
+    while the moments load and put back after; they came from `load_state_dict`."""
+    kept: list[tuple[dict[str, Any], Any]] = []
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in getattr(chained.optimizer, "state", {}).values():
+            if "step" in state:
+                kept.append((state, state.pop("step")))
+    try:
+        yield
+    finally:
+        for state, step in kept:
+            state["step"] = step
 
 
 def _megatron_ddp_and_optimizer(module: torch.nn.Module, train_cfg: TrainConfig, dtype: torch.dtype) -> tuple[Any, Any]:
