@@ -45,43 +45,23 @@ from areal_like.orchestration.channels import ControlPublisher, DataPuller
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.step_budget import StepBudget
+from areal_like.orchestration.trainer_errors import RunAborted, RunFailed, RunInterrupted
 from areal_like.orchestration.trainer_policies import (
     Announcer,
     Checkpointer,
     ColocateHold,
+    ConsoleNotes,
     ReportLog,
     RunEnd,
+    StopRules,
     StragglerPolicy,
     WeightFeed,
 )
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
-from areal_like.orchestration.watch import FailureNotes, SignalWatch, WaitNotes
 
 __all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted", "RunFailed", "RunInterrupted"]
 
 log = logging.getLogger(__name__)
-
-
-class RunAborted(RuntimeError):
-    """The run stopped on a fault it cannot go on through (a dead train worker, a dead
-    rollout side, a full disk). The message says what happened and which checkpoint
-    `--resume` continues from."""
-
-
-class RunFailed(RunAborted):
-    """The run stopped because of something `--resume` cannot fix: user code that keeps
-    failing (its file and line first), or no learning signal. The message leads with
-    the cause and carries no resume hint."""
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """The user stopped the run (Ctrl-C, SIGTERM): a final checkpoint and the summary are
-    written; `summary` holds the counts and `hint` the --resume line."""
-
-    def __init__(self, summary: dict[str, int], hint: str) -> None:
-        super().__init__(hint)
-        self.summary = summary
-        self.hint = hint
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -151,15 +131,11 @@ class TrainerController:
         self.telemetry = TrainerTelemetry(mlog, registry or MetricsRegistry())
         self.budget = StepBudget()
         """Where the time between two step records goes (`budget_*_s` in each record)."""
-        self.on_step = on_step
         self.check_peers = check_peers
         """Raises if the rollout side (when this process knows it) has died."""
         self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
-        self.signal = SignalWatch(reward_name or cfg.agent.reward, max_no_signal_s=cfg.agent.max_no_signal_s)
-        self.failure_notes = FailureNotes()
-        self.on_wait = on_wait
-        """Prints what the trainer waits for (the console's `Progress.waiting`); else the log."""
-        self.wait_notes = WaitNotes()
+        self.rules = StopRules(cfg, reward_name or cfg.agent.reward)
+        self.notes = ConsoleNotes(on_step, on_wait)
         self.vocab_size = vocab_size
         """Token ids at or above it are refused at the edge (they would crash the train step)."""
         self.peers = RolloutPeers(run_id or uuid.uuid4().hex[:12], epoch, dead_s=cfg.transport.peer_dead_s,
@@ -176,16 +152,8 @@ class TrainerController:
                                drain=self._drain, check_peers=self._check_peers)
         self.checkpoints = Checkpointer(run_dir, trainer, self.buffer, self.reports)
         self.end = RunEnd(cfg, self.peers, self.reports, acks=acks, announce=self._announce, drain=self._drain,
-                          say=self._say)
-        self.started_before_resume = 0
+                          say=self.notes.say)
         self.sent_base = 0
-        self.data_position: dict[str, int] | None = None
-        self.idle_s = 0.0
-        self.skips_in_a_row = 0
-        self.busy_s = 0.0
-        self._drops_unannounced = False
-        self.target_reached: tuple[int, float] | None = None
-        """(version, accuracy) of the evaluation that reached `train.stop_at_eval_accuracy`."""
 
     @property
     def mlog(self) -> MetricsLog:
@@ -206,10 +174,8 @@ class TrainerController:
 
     # ---- resume ----------------------------------------------------------------------
     def resume(self) -> None:
-        ckpt, extra = self.checkpoints.load()
-        self.started_before_resume = int(extra["accounted"])
+        ckpt = self.checkpoints.load()
         self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
-        self.data_position = extra.get("data_position")
         # The engines start from the base model: hand them the resumed weights first.
         self.feed.resumed_meta = self.feed.send(self.trainer.version)
         log.info("resumed from %s at version %d (%d samples buffered)", ckpt, self.trainer.version, self.buffer.depth)
@@ -261,11 +227,11 @@ class TrainerController:
         cfg = self.cfg
         if self.trainer.version == 0 and cfg.run.record_weights:
             self.feed.record(0)
-        self._announce(weights=self.feed.resumed_meta, data_position=self.data_position, force=True)
+        self._announce(weights=self.feed.resumed_meta, data_position=self.checkpoints.data_position, force=True)
         self.budget = StepBudget()  # the first step's interval starts here
         t_wait = time.time()
         look_s = 0.05
-        while self.trainer.version < cfg.train.total_steps and self.target_reached is None:
+        while self.trainer.version < cfg.train.total_steps and self.rules.target_reached is None:
             t_loop = time.time()
             with self.budget.phase("wait_data") as wait:  # renamed below when it waited for something else
                 self._drain(timeout_s=look_s)
@@ -283,7 +249,7 @@ class TrainerController:
             # Right after a step the next batch is often buffered already: look without waiting
             # for a message (waiting for one cost ~40 ms a quickstart step, docs/benchmarks.md).
             look_s = 0.0
-            self.idle_s += time.time() - t_wait
+            self.telemetry.idle_s += time.time() - t_wait
             t0 = time.time()
             with stop.critical():  # a Ctrl-C here is raised once the step is whole
                 hold_wait = self._take_devices() if cfg.cluster.colocate else None
@@ -299,27 +265,22 @@ class TrainerController:
                     self._publish_weights(rec)
                 else:
                     self._announce(force=True)
-                self.busy_s += time.time() - t0
-                self.telemetry.write_step(rec, self.idle_s / max(self.idle_s + self.busy_s, 1e-9),
+                self.telemetry.busy_s += time.time() - t0
+                self.telemetry.write_step(rec, self.telemetry.idle_ratio(),
                                           self.rollout.loaded_version if self.rollout is not None else None,
                                           budget=self.budget)
                 if "first_step" not in startup.phases():
                     startup.mark("first_step")
                     self.mlog.write("startup", self.trainer.version, **startup.phases())
                     log.info("%s", startup.summary_line())
-                if self.on_step is not None:
-                    if self.telemetry.evals:  # the last held-out evaluation, for the progress line
-                        rec = {**rec, "eval_accuracy": self.telemetry.evals[-1]["accuracy"],
-                               "eval_version": self.telemetry.evals[-1]["version"]}
-                    self.on_step(rec)
-                    self.wait_notes.printed()
+                self.notes.step(rec, self.telemetry.evals)
                 if not skipped and self.trainer.version < cfg.train.total_steps \
                         and self.trainer.version % cfg.run.checkpoint_every_n_steps == 0:
                     # (the last step's checkpoint is written by _finish, after the final report)
                     with self.budget.phase("checkpoint"):  # in the next step's record
                         self.checkpoint()
             t_wait = time.time()
-        return self._finish(reason="target_reached" if self.target_reached is not None else "finished")
+        return self._finish(reason="target_reached" if self.rules.target_reached is not None else "finished")
 
     def _stragglers(self, v: int) -> list[str]:
         """The groups the step from v waits for (`StragglerPolicy`)."""
@@ -362,15 +323,9 @@ class TrainerController:
                                     "train_optimizer": stats.get("optimizer_time_s", 0.0)}, rest="train_other")
         if self.trainer.version == v:
             self.buffer.mark_skipped(groups)
-            self.skips_in_a_row += 1
-            limit = self.cfg.train.max_consecutive_skips
-            log.warning("train step at v%d skipped (non-finite loss or gradient), %d in a row", v, self.skips_in_a_row)
-            if self.skips_in_a_row >= limit:
-                raise RunAborted(f"{self.skips_in_a_row} train steps in a row at v{v} were skipped for a non-finite "
-                                 f"loss or gradient (train.max_consecutive_skips={limit}): lower train.lr or check "
-                                 f"the rewards and the model; {self.checkpoints.resume_hint()}")
+            self.rules.skipped(v, self.checkpoints.resume_hint)
         else:
-            self.skips_in_a_row = 0
+            self.rules.trained()
             self.buffer.mark_trained(groups)
             if self.cfg.run.record_trajectories:
                 self.run_dir.append_trajectories(groups, consumed_at_version=v)
@@ -384,10 +339,7 @@ class TrainerController:
         shut while the trainer was about to need them (docs/benchmarks.md, per step)."""
         dropped = self.buffer.dropped_sent
         self._drain(timeout_s=0.0)
-        if self.buffer.dropped_sent != dropped:
-            self._drops_unannounced = True
-        if self._drops_unannounced and time.time() - self.announcer.at >= 0.1:
-            self._drops_unannounced = False
+        if self.announcer.drops_due(self.buffer.dropped_sent != dropped):
             self._announce(force=True)
 
     def _publish_weights(self, rec: dict[str, Any]) -> None:
@@ -405,14 +357,11 @@ class TrainerController:
         self.feed.resend_if_rollout_stuck()
         self._announce()
         self._check_peers(v)
-        line, verdict = self.signal.check()
-        if verdict is not None:
-            raise RunFailed(f"{verdict}\nthe run stopped at v{v}")
+        line = self.rules.check_signal(v)
         if line is not None:
-            log.warning("%s", line)
-            self.wait_notes.printed()
-        if self.wait_notes.due():
-            self._say(self._waiting_for(v))
+            self.notes.warn(line)
+        if self.notes.due():
+            self.notes.say(self._waiting_for(v))
 
     def _check_peers(self, v: int) -> None:
         """Is the rollout side alive? A silent one is declared lost (logged) after
@@ -431,12 +380,6 @@ class TrainerController:
             self.checkpoints.save_before_stopping()
             raise RunAborted(f"{e}; the run stopped at v{v}: {self.checkpoints.resume_hint()}") from e
 
-    def _say(self, line: str) -> None:
-        if self.on_wait is not None:
-            self.on_wait(line)
-        else:
-            log.info("waiting: %s", line)
-
     def _waiting_for(self, v: int) -> str:
         """What the trainer waits for, in words (one console line every ~10 s)."""
         r, b = self.rollout, self.cfg.train.batch_size
@@ -448,7 +391,7 @@ class TrainerController:
         if stragglers and self.buffer.num_groups >= b:
             return (f"{len(stragglers)} straggler group(s) that the step to v{v + 1} would push past "
                     f"η={self.cfg.staleness.max_staleness} (docs/design.md §10.4)")
-        s = self.signal
+        s = self.rules.signal
         uniform = f", {s.total_uniform} of {s.total_groups} groups so far filtered as uniform" if s.total_uniform else ""
         return (f"data for step {v + 1}: {self.buffer.num_groups}/{b} groups buffered, {r.running} episodes running "
                 f"on the rollout side (serving v{r.loaded_version}){uniform}")
@@ -509,16 +452,12 @@ class TrainerController:
                           msg.group_id, problem, msg.size)
                 self.buffer.put_invalid(msg)
                 return
-            self.signal.group(msg, self.buffer.put(msg))
+            self.rules.signal.group(msg, self.buffer.put(msg))
             self.telemetry.m.buffer_depth.set(self.buffer.depth)
         elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
             self.telemetry.evaluation(msg, self.trainer.version)
             log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.eval.accuracy)
-            target = self.cfg.train.stop_at_eval_accuracy
-            if target is not None and msg.eval.accuracy >= target and self.target_reached is None:
-                self.target_reached = (msg.loaded_version, msg.eval.accuracy)
-                log.warning("held-out accuracy %.3f at v%d reached train.stop_at_eval_accuracy=%g: the run ends "
-                            "after this step", msg.eval.accuracy, msg.loaded_version, target)
+            self.rules.evaluation(msg)
         else:
             if msg.kind == "final":
                 self._announce(force=True)  # acknowledge it now: the rollout side waits for that to exit
@@ -535,10 +474,7 @@ class TrainerController:
         if f is not None and f.stopped and not self.end.stopping:
             tb = f"\n{f.traceback.rstrip()}" if f.traceback else ""
             raise RunFailed(f"{f.first}{tb}\n{f.stopped}; the run stopped at v{self.trainer.version}")
-        line = self.failure_notes.report(msg)
-        if line is not None:
-            log.warning("%s", line)
-            self.wait_notes.printed()
+        self.notes.failures(msg)
 
     # ---- checkpoint and end ----------------------------------------------------------------
     def checkpoint(self) -> None:
@@ -557,7 +493,7 @@ class TrainerController:
             self.checkpoints.save_before_stopping()
         elif not self.checkpoints.has(self.trainer.version):
             self.checkpoint()  # the final weights on disk before the summary: an export that fails can be redone
-        started = self.started_before_resume + self.peers.started()
+        started = self.checkpoints.accounted_before + self.peers.started()
         summary = self.buffer.summary(started=started, cancelled=self.peers.cancelled())
         ok = TrajectoryBuffer.counts_add_up(summary)
         if not ok:
@@ -567,7 +503,7 @@ class TrainerController:
                         refused_frames={**self.puller.refused_frames, **self.peers.refused},
                         duplicate_frames=self.puller.duplicates,
                         servers=servers,
-                        target_reached=list(self.target_reached) if self.target_reached else None,
+                        target_reached=list(self.rules.target_reached) if self.rules.target_reached else None,
                         evals=[{"version": e["version"], "accuracy": e["accuracy"]} for e in self.telemetry.evals])
         return summary
 

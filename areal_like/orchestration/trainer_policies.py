@@ -8,6 +8,8 @@
     Checkpointer     checkpoints on disk (COMPLETE, the last two kept) and the --resume line
     Announcer        the version announcement on the control channel, and its heartbeat
     RunEnd           the stop: the goodbye and waiting for the rollout side's final report
+    StopRules        what ends a run early: no learning signal, skipped steps, the eval target
+    ConsoleNotes     what the user reads: each step, what the trainer waits for, failures
 
 They log under the controller's logger, so the run's log reads as it did before they
 were split out of it.
@@ -28,8 +30,11 @@ from areal_like.core.config import ExperimentConfig
 from areal_like.core.types import RolloutStats, VersionAnnouncement, WeightUpdateMeta
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
+from areal_like.orchestration.trainer_errors import RunAborted, RunFailed
+from areal_like.orchestration.watch import FailureNotes, SignalWatch, WaitNotes
 
-__all__ = ["Announcer", "Checkpointer", "ColocateHold", "ReportLog", "RunEnd", "StragglerPolicy", "WeightFeed"]
+__all__ = ["Announcer", "Checkpointer", "ColocateHold", "ConsoleNotes", "ReportLog", "RunEnd", "StopRules",
+           "StragglerPolicy", "WeightFeed"]
 
 log = logging.getLogger("areal_like.orchestration.trainer_controller")
 
@@ -323,6 +328,10 @@ class Checkpointer:
         self.trainer = trainer
         self.buffer = buffer
         self.reports = reports
+        self.accounted_before = 0
+        """Episodes accounted for in the checkpoint resumed from (0: a fresh run)."""
+        self.data_position: dict[str, int] | None = None
+        """The rollout side's data position in the checkpoint resumed from."""
 
     def accounted(self) -> int:
         """Episodes whose outcome is known to the trainer side (trained/dropped/buffered)."""
@@ -350,14 +359,17 @@ class Checkpointer:
     def has(self, v: int) -> bool:
         return (self.run_dir.checkpoint_dir(v) / "COMPLETE").is_file()
 
-    def load(self) -> tuple[Path, dict[str, Any]]:
-        """The latest complete checkpoint into the trainer and the buffer: (its path, its extra)."""
+    def load(self) -> Path:
+        """The latest complete checkpoint into the trainer and the buffer (and the counts
+        and data position it holds into `accounted_before`, `data_position`): its path."""
         ckpt = self.run_dir.latest_checkpoint()
         if ckpt is None:
             raise RuntimeError(f"--resume: no complete checkpoint in {self.run_dir.checkpoints}")
         extra = self.trainer.load(ckpt / "trainer")
         self.buffer.load_state_dict(extra["buffer"])
-        return ckpt, extra
+        self.accounted_before = int(extra["accounted"])
+        self.data_position = extra.get("data_position")
+        return ckpt
 
     def resume_hint(self) -> str:
         ckpt = self.run_dir.latest_checkpoint()
@@ -380,6 +392,16 @@ class Announcer:
         self.at = 0.0
         """When the last announcement (not a heartbeat) was made."""
         self._stop = threading.Event()
+        self._drops_pending = False
+
+    def drops_due(self, dropped: bool) -> bool:
+        """Groups dropped on arrival while a step runs free gate slots on the rollout side:
+        whether to announce them now (at once, at most every 0.1 s)."""
+        self._drops_pending = self._drops_pending or dropped
+        if self._drops_pending and time.time() - self.at >= 0.1:
+            self._drops_pending = False
+            return True
+        return False
 
     def due(self, now: float, force: bool) -> bool:
         """Whether to announce now (at most every 0.5 s unless forced); if so, it counts as made."""
@@ -473,3 +495,85 @@ class RunEnd:
             what.append(f"{r.running} episodes still running")
         doing = "; ".join(what) or "cancelling its episodes"
         return f"stopping: waiting for the rollout side's final report ({doing}); at most {max(left_s, 0):.0f}s more"
+
+
+class StopRules:
+    """What ends a run before `train.total_steps`: no learning signal (`SignalWatch`),
+    `train.max_consecutive_skips` steps in a row skipped for a non-finite loss or
+    gradient, a held-out accuracy at `train.stop_at_eval_accuracy`."""
+
+    def __init__(self, cfg: ExperimentConfig, reward_name: str) -> None:
+        self.cfg = cfg
+        self.signal = SignalWatch(reward_name, max_no_signal_s=cfg.agent.max_no_signal_s)
+        self.skips_in_a_row = 0
+        self.target_reached: tuple[int, float] | None = None
+        """(version, accuracy) of the evaluation that reached `train.stop_at_eval_accuracy`."""
+
+    def trained(self) -> None:
+        self.skips_in_a_row = 0
+
+    def skipped(self, v: int, resume_hint: Callable[[], str]) -> None:
+        """The step at v was skipped: said in the log; raises `RunAborted` at the limit."""
+        self.skips_in_a_row += 1
+        limit = self.cfg.train.max_consecutive_skips
+        log.warning("train step at v%d skipped (non-finite loss or gradient), %d in a row", v, self.skips_in_a_row)
+        if self.skips_in_a_row >= limit:
+            raise RunAborted(f"{self.skips_in_a_row} train steps in a row at v{v} were skipped for a non-finite "
+                             f"loss or gradient (train.max_consecutive_skips={limit}): lower train.lr or check "
+                             f"the rewards and the model; {resume_hint()}")
+
+    def evaluation(self, msg: RolloutStats) -> None:
+        """A held-out evaluation came in: does it reach the target?"""
+        assert msg.eval is not None
+        target = self.cfg.train.stop_at_eval_accuracy
+        if target is not None and msg.eval.accuracy >= target and self.target_reached is None:
+            self.target_reached = (msg.loaded_version, msg.eval.accuracy)
+            log.warning("held-out accuracy %.3f at v%d reached train.stop_at_eval_accuracy=%g: the run ends "
+                        "after this step", msg.eval.accuracy, msg.loaded_version, target)
+
+    def check_signal(self, v: int) -> str | None:
+        """A line to say about the learning signal, if any; raises `RunFailed` when there is none."""
+        line, verdict = self.signal.check()
+        if verdict is not None:
+            raise RunFailed(f"{verdict}\nthe run stopped at v{v}")
+        return line
+
+
+class ConsoleNotes:
+    """What the user reads while the trainer runs: each step (`on_step`), what it waits for
+    (`on_wait`, else the log, one line every ~10 s), failing episodes (every ~60 s) — a
+    printed line puts the next waiting note off."""
+
+    def __init__(self, on_step: Callable[[dict[str, Any]], None] | None, on_wait: Callable[[str], None] | None) -> None:
+        self.on_step = on_step
+        self.on_wait = on_wait
+        """Prints what the trainer waits for (the console's `Progress.waiting`); else the log."""
+        self.wait_notes = WaitNotes()
+        self.failure_notes = FailureNotes()
+
+    def step(self, rec: dict[str, Any], evals: list[dict[str, Any]]) -> None:
+        if self.on_step is None:
+            return
+        if evals:  # the last held-out evaluation, for the progress line
+            rec = {**rec, "eval_accuracy": evals[-1]["accuracy"], "eval_version": evals[-1]["version"]}
+        self.on_step(rec)
+        self.wait_notes.printed()
+
+    def warn(self, line: str) -> None:
+        log.warning("%s", line)
+        self.wait_notes.printed()
+
+    def failures(self, msg: RolloutStats) -> None:
+        line = self.failure_notes.report(msg)
+        if line is not None:
+            self.warn(line)
+
+    def due(self) -> bool:
+        """Whether a waiting note is due."""
+        return self.wait_notes.due()
+
+    def say(self, line: str) -> None:
+        if self.on_wait is not None:
+            self.on_wait(line)
+        else:
+            log.info("waiting: %s", line)
