@@ -13,8 +13,11 @@
 The trainer side owns the run folder, the metrics and the summary (docs/design.md §9.6).
 It does not know which backend trains or which transport carries weights: it is
 handed a `TrainerHandle` and a `WeightPublisher`. `_run` is the schedule above, line
-for line; recording goes to `TrainerTelemetry`, and what keeps a stuck or resumed
-rollout side fed (`_while_waiting`) and checkpoints are calls out of it.
+for line; recording goes to `TrainerTelemetry`, and each policy it applies is a
+collaborator of its own (`trainer_policies`): which report stands (`ReportLog`), the
+straggler wait (`StragglerPolicy`), the colocate hold (`ColocateHold`), weights out and
+resent (`WeightFeed`), checkpoints (`Checkpointer`), announcements (`Announcer`), what
+ends a run early (`StopRules`), the console (`ConsoleNotes`) and the end (`RunEnd`).
 """
 
 from __future__ import annotations
