@@ -24,6 +24,9 @@ class TrainerTelemetry:
         self.mlog = mlog
         self.m = registry
         self.evals: list[dict[str, Any]] = []
+        self.idle_s = 0.0
+        self.busy_s = 0.0
+        """The trainer's time waiting for data, and stepping (`idle_ratio`)."""
         self._last: dict[str, float] = {}
         self._pauses_seen = 0.0
         self._rewards_seen: tuple[str, int, float] = ("", 0, 0.0)
@@ -84,6 +87,9 @@ class TrainerTelemetry:
             rec["weight_sync_bytes"] = done.bytes
             self.m.sync_bytes.inc(done.bytes)
             self.m.sync_seconds.observe(done.seconds)
+
+    def idle_ratio(self) -> float:
+        return self.idle_s / max(self.idle_s + self.busy_s, 1e-9)
 
     def write_step(self, rec: dict[str, Any], trainer_idle_ratio: float, rollout_version: int | None,
                    budget: StepBudget | None = None) -> None:
