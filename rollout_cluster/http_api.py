@@ -14,7 +14,7 @@ OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`) with th
 status codes the SDKs map to exceptions (400, 401, 404, 413; 500 only for our bugs).
 
 Streaming is live on the embedded engine: the role chunk goes out at once and text as
-the engine generates it (`RolloutServer.generate(on_tokens=...)`, `_Live`), for one
+the engine generates it (`RolloutServer.generate(on_tokens=...)`, `LiveReply`), for one
 choice without logprobs; a chat reply that may hold tool calls (the request offers
 `tools`) is streamed once whole, since a call is only known at the end, and so are
 `n > 1`, logprobs, and engines that cannot hand out tokens early (vLLM here): there the
@@ -35,7 +35,6 @@ required as `Authorization: Bearer <key>` on every path except `/health`.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -54,20 +53,22 @@ from rollout_cluster.openai_protocol import (
     assistant_turn,
     chat_logprobs,
     chat_response,
-    chat_stream_chunks,
     chat_tools,
     completion_logprobs,
     completion_response,
-    completion_stream_chunks,
     content_ids,
     error_body,
-    live_chunk,
     model_card,
     normalize_messages,
     output_options,
     sampling_from_openai,
-    sse_event,
     template_messages,
+)
+from rollout_cluster.openai_stream import (
+    LiveReply,
+    chat_stream_chunks,
+    completion_stream_chunks,
+    sse_event,
     text_pieces,
 )
 from rollout_cluster.tool_parser import HermesToolParser, ToolParser
@@ -77,29 +78,7 @@ if TYPE_CHECKING:
 
     from rollout_cluster.sessions import SessionTokens
 
-__all__ = [
-    "ApiError",
-    "AssistantTurn",
-    "HttpServer",
-    "OutputOptions",
-    "assistant_turn",
-    "chat_logprobs",
-    "chat_response",
-    "chat_stream_chunks",
-    "completion_logprobs",
-    "completion_response",
-    "completion_stream_chunks",
-    "error_body",
-    "is_loopback_host",
-    "model_card",
-    "normalize_messages",
-    "output_options",
-    "prometheus_text",
-    "sampling_from_openai",
-    "sse_event",
-    "template_messages",
-    "text_pieces",
-]
+__all__ = ["MAX_BODY_BYTES", "HttpServer", "ServedModel", "is_loopback_host", "prometheus_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +317,7 @@ class HttpServer:
         return (lambda ids: tok.decode(ids, skip_special_tokens=False)), (lambda t: tok.decode([t]))
 
     async def _run(self, rid: str, ids: list[int], params: SamplingParams,
-                   live: _Live | None = None) -> list[GenerateResult]:
+                   live: LiveReply | None = None) -> list[GenerateResult]:
         if live is not None:
             return [await live.run(self.server, rid, ids, params)]
         if params.n == 1:
@@ -346,7 +325,7 @@ class HttpServer:
         return await self.server.generate_n(request_id=rid, prompt_ids=ids, sampling_params=params)
 
     def _live(self, request: web.Request, opts: OutputOptions, params: SamplingParams, rid: str,
-              *, chat: bool, parse_calls: bool = False) -> _Live | None:
+              *, chat: bool, parse_calls: bool = False) -> LiveReply | None:
         """A reply streamed while it is generated, where the engine can (the embedded
         engine), for one choice without logprobs and, in chat, without tool parsing (a
         tool call is only known once the reply is whole): else None, and the stream
@@ -355,7 +334,7 @@ class HttpServer:
                 and not parse_calls and self.server.can_stream):
             return None
         decode, _ = self._decoders()
-        return _Live(request, decode, chat, rid, self.server.model_name, opts.include_usage)
+        return LiveReply(request, decode, chat, rid, self.server.model_name, opts.include_usage)
 
     async def _top(
         self, ids: list[int], results: list[GenerateResult], k: int, params: SamplingParams
@@ -367,7 +346,7 @@ class HttpServer:
         return [await self.server.top_logprobs(ids, r.token_ids, k, params.temperature) for r in results]
 
     async def _stream(self, request: web.Request, chunks: list[dict[str, Any]],
-                      live: _Live | None = None) -> web.StreamResponse:
+                      live: LiveReply | None = None) -> web.StreamResponse:
         from aiohttp import web
 
         if live is not None and live.resp is not None:  # the start went out already
@@ -578,57 +557,3 @@ def _depth(value: Any) -> int:
         elif isinstance(v, list):
             stack.extend((x, d + 1) for x in v)
     return deepest
-
-
-class _Live:
-    """One reply streamed while it is generated: the role chunk at once, then each new
-    piece of text as the engine hands out tokens (`on_tokens`). The newest token is held
-    back until the next one comes (it may be the stop token, which is not content) and a
-    piece that ends inside a multi-byte character waits for the rest of it; `rest()`
-    gives what is left once the reply is whole."""
-
-    def __init__(self, request: web.Request, decode: Callable[[list[int]], str], chat: bool, rid: str,
-                 model: str, include_usage: bool) -> None:
-        self.request, self.decode, self.chat = request, decode, chat
-        self.rid, self.model, self.include_usage = rid, model, include_usage
-        self.created = int(time.time())
-        self.resp: Any = None
-        self.tokens: list[int] = []
-        self.emitted = ""
-
-    def _chunk(self, piece: str | None) -> bytes:
-        return sse_event(live_chunk(self.chat, self.rid, self.model, self.created, self.include_usage, piece))
-
-    async def run(self, server: Any, rid: str, ids: list[int], params: SamplingParams) -> GenerateResult:
-        from aiohttp import web
-
-        queue: asyncio.Queue[list[int]] = asyncio.Queue()
-        task = asyncio.ensure_future(server.generate(request_id=rid, prompt_ids=ids, sampling_params=params,
-                                                     on_tokens=queue.put_nowait))
-        try:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(self.request)
-            self.resp = resp
-            if self.chat:
-                await resp.write(self._chunk(None))
-            while not (task.done() and queue.empty()):
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    continue
-                self.tokens += getter.result()
-                text = self.decode(self.tokens[:-1])
-                if len(text) > len(self.emitted) and text.startswith(self.emitted) and not text.endswith("\ufffd"):
-                    await resp.write(self._chunk(text[len(self.emitted):]))
-                    self.emitted = text
-            return task.result()
-        except BaseException:
-            task.cancel()  # the client went away: stop generating for it
-            raise
-
-    def rest(self, full: str) -> str:
-        if full.startswith(self.emitted):
-            return full[len(self.emitted):]
-        logger.warning("streamed text is not a prefix of the final text (decoding is not prefix-stable here)")
-        return ""

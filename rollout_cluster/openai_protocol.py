@@ -7,6 +7,8 @@ chat replies, `logprobs` / `top_logprobs`, SSE chunks, and OpenAI's error shape.
 Every choice also carries the RL extras the trainer needs, which plain OpenAI responses
 lack: `token_ids`, `token_logprobs` (behaviour logprobs) and `versions`; the response
 carries `prompt_token_ids`. They are additive fields; SDKs ignore them.
+
+The same replies as server-sent-event chunks are in `rollout_cluster.openai_stream`.
 """
 
 from __future__ import annotations
@@ -384,12 +386,12 @@ def completion_logprobs(
     }
 
 
-def _usage(prompt_len: int, results: list[GenerateResult]) -> dict[str, int]:
+def usage_block(prompt_len: int, results: list[GenerateResult]) -> dict[str, int]:
     gen = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt_len, "completion_tokens": gen, "total_tokens": prompt_len + gen}
 
 
-def _extras(result: GenerateResult) -> dict[str, Any]:
+def rl_extras(result: GenerateResult) -> dict[str, Any]:
     return {
         "token_ids": result.token_ids,
         "token_logprobs": result.logprobs,
@@ -408,7 +410,7 @@ def completion_response(
 ) -> dict[str, Any]:
     """The `/v1/completions` reply (OpenAI `text_completion` shape plus RL extras)."""
     choices = [
-        {"index": i, "text": text, "finish_reason": r.stop_reason, "logprobs": lp, **_extras(r)}
+        {"index": i, "text": text, "finish_reason": r.stop_reason, "logprobs": lp, **rl_extras(r)}
         for i, (r, text, lp) in enumerate(zip(results, texts, logprobs, strict=True))
     ]
     return {
@@ -417,7 +419,7 @@ def completion_response(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(len(prompt_ids), results),
+        "usage": usage_block(len(prompt_ids), results),
         "prompt_token_ids": prompt_ids,
     }
 
@@ -449,7 +451,7 @@ def chat_response(
             "message": turn.message(),
             "finish_reason": turn.finish_reason,
             "logprobs": lp,
-            **_extras(r),
+            **rl_extras(r),
         }
         for i, (r, turn, lp) in enumerate(zip(results, turns, logprobs, strict=True))
     ]
@@ -459,150 +461,9 @@ def chat_response(
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(len(prompt_ids), results),
+        "usage": usage_block(len(prompt_ids), results),
         "prompt_token_ids": prompt_ids,
     }
-
-
-# ---- streaming -----------------------------------------------------------------------
-
-
-def text_pieces(token_ids: list[int], decode: Callable[[list[int]], str]) -> list[str]:
-    """One text piece per token whose concatenation is exactly `decode(token_ids)`.
-
-    A token that ends inside a multi-byte character decodes to U+FFFD; its piece stays
-    empty until the character is complete, so no chunk ever carries a broken character.
-    """
-    pieces: list[str] = []
-    emitted = ""
-    for i in range(len(token_ids)):
-        text = decode(token_ids[: i + 1])
-        if text.startswith(emitted) and not text.endswith("\ufffd"):
-            pieces.append(text[len(emitted) :])
-            emitted = text
-        else:
-            pieces.append("")
-    full = decode(token_ids)
-    if not full.startswith(emitted):  # decoding is not prefix-stable here: send it whole
-        return [full] + [""] * (len(token_ids) - 1) if token_ids else []
-    if pieces:
-        pieces[-1] += full[len(emitted) :]
-    return pieces
-
-
-def _chunk_base(kind: str, request_id: str, model: str, created: int, include_usage: bool) -> dict[str, Any]:
-    base: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model}
-    if include_usage:
-        base["usage"] = None
-    return base
-
-
-def live_chunk(chat: bool, request_id: str, model: str, created: int, include_usage: bool,
-               piece: str | None) -> dict[str, Any]:
-    """One chunk of a reply streamed while it is generated: the assistant role (`piece`
-    None, chat only) or a piece of text, in the shape `chat_stream_chunks` /
-    `completion_stream_chunks` use for the same position."""
-    if chat:
-        base = _chunk_base("chat.completion.chunk", f"chatcmpl-{request_id}", model, created, include_usage)
-        delta = {"role": "assistant", "content": ""} if piece is None else {"content": piece}
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-    base = _chunk_base("text_completion", f"cmpl-{request_id}", model, created, include_usage)
-    return {**base, "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": None}]}
-
-
-def chat_stream_chunks(
-    request_id: str,
-    model: str,
-    prompt_ids: list[int],
-    results: list[GenerateResult],
-    turns: list[AssistantTurn],
-    pieces: list[list[str]],
-    logprobs: list[dict[str, Any] | None],
-    *,
-    include_usage: bool = False,
-    created: int | None = None,
-) -> list[dict[str, Any]]:
-    """`chat.completion.chunk` objects for a finished reply, in order (without `[DONE]`).
-
-    Per choice: a role chunk; then one content chunk per token (`pieces[i]`, the
-    token's piece of the content) with that token's logprobs, or, when the turn has
-    tool calls, one content chunk (the text around the calls) and one `tool_calls`
-    chunk; then a chunk with `finish_reason` and the RL extras. With
-    `include_usage`, every chunk has `usage: null` and a last chunk with no choices
-    carries the usage, as OpenAI does.
-    """
-    created = int(time.time()) if created is None else created
-    base = _chunk_base("chat.completion.chunk", f"chatcmpl-{request_id}", model, created, include_usage)
-
-    def chunk(
-        index: int,
-        delta: dict[str, Any],
-        lp: dict[str, Any] | None = None,
-        finish: str | None = None,
-        **extra: Any,
-    ) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, **extra}
-        return {**base, "choices": [choice]}
-
-    out: list[dict[str, Any]] = []
-    for i, (r, turn, texts, lp) in enumerate(zip(results, turns, pieces, logprobs, strict=True)):
-        out.append(chunk(i, {"role": "assistant", "content": ""}))
-        entries = lp["content"] if lp is not None else None
-        if turn.tool_calls:
-            if turn.content or entries:
-                out.append(chunk(i, {"content": turn.content or ""}, lp))
-            calls = [{"index": j, **call} for j, call in enumerate(turn.tool_calls)]
-            out.append(chunk(i, {"tool_calls": calls}))
-        else:
-            for j, text in enumerate(texts):
-                if text or entries is not None:
-                    out.append(
-                        chunk(i, {"content": text}, {"content": entries[j : j + 1]} if entries else None)
-                    )
-        out.append(chunk(i, {}, None, turn.finish_reason, **_extras(r)))
-    if include_usage:
-        out.append({**base, "choices": [], "usage": _usage(len(prompt_ids), results)})
-    return out
-
-
-def completion_stream_chunks(
-    request_id: str,
-    model: str,
-    prompt_ids: list[int],
-    results: list[GenerateResult],
-    pieces: list[list[str]],
-    logprobs: list[dict[str, Any] | None],
-    *,
-    include_usage: bool = False,
-    created: int | None = None,
-) -> list[dict[str, Any]]:
-    """`text_completion` chunks for a finished reply: one per token, then the finish chunk."""
-    created = int(time.time()) if created is None else created
-    base = _chunk_base("text_completion", f"cmpl-{request_id}", model, created, include_usage)
-    out: list[dict[str, Any]] = []
-    for i, (r, texts, lp) in enumerate(zip(results, pieces, logprobs, strict=True)):
-        for j, text in enumerate(texts):
-            piece_lp = None
-            if lp is not None:
-                piece_lp = {
-                    "tokens": lp["tokens"][j : j + 1],
-                    "token_logprobs": lp["token_logprobs"][j : j + 1],
-                    "top_logprobs": lp["top_logprobs"][j : j + 1] if lp["top_logprobs"] is not None else None,
-                    "text_offset": lp["text_offset"][j : j + 1],
-                }
-            choice = {"index": i, "text": text, "logprobs": piece_lp, "finish_reason": None}
-            out.append({**base, "choices": [choice]})
-        final = {"index": i, "text": "", "logprobs": None, "finish_reason": r.stop_reason, **_extras(r)}
-        out.append({**base, "choices": [final]})
-    if include_usage:
-        out.append({**base, "choices": [], "usage": _usage(len(prompt_ids), results)})
-    return out
-
-
-def sse_event(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>\\n\\n` (or the literal `[DONE]`)."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, allow_nan=False)
-    return f"data: {text}\n\n".encode()
 
 
 def model_card(model: str, created: int) -> dict[str, Any]:

@@ -98,7 +98,8 @@ def test_scanner_allows_safe_code(snippet: str) -> None:
 # actor calls travel over Unix socket pairs between our own processes on one machine, whose
 # ends it hands out itself, after checking the peer is the same user (SO_PEERCRED; the test
 # below). No network peer ever sends it a frame; network wires stay msgpack.
-LOCAL_IPC = {"areal_like/launcher/local.py": {"import pickle", "import cloudpickle"}}
+LOCAL_IPC = {"areal_like/launcher/local.py": {"import pickle", "import cloudpickle"},
+             "areal_like/launcher/local_process.py": {"import pickle"}}
 """The local launcher pickles (cloudpickle for call arguments, as Ray does) between two of
 our own processes of one user, over a Unix socket pair: never a network wire."""
 

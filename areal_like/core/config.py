@@ -5,7 +5,7 @@ by a `type` field. `load_config(path, overrides)` fails before anything starts, 
 a `ConfigError` naming the file, the dotted key path and what was expected. Each
 component receives only its own sub-config (e.g. the engine gets `rollout.engine`).
 
-One file over ~600 lines on purpose: every config model in one place, so the generated
+Why this file is long: every config model is in one place, so the generated
 reference (`scripts/gen_config_reference.py`) and the dotted `--set` paths have one source.
 """
 

@@ -292,11 +292,9 @@ def test_output_options_are_checked_as_openai_checks_them():
 
 def test_logprob_shapes_and_stream_chunks():
     from areal_like.core.types import GenerateResult
-    from rollout_cluster.openai_protocol import (
-        AssistantTurn,
-        chat_logprobs,
+    from rollout_cluster.openai_protocol import AssistantTurn, chat_logprobs, completion_logprobs
+    from rollout_cluster.openai_stream import (
         chat_stream_chunks,
-        completion_logprobs,
         completion_stream_chunks,
         sse_event,
         text_pieces,
