@@ -322,6 +322,15 @@ class LossConfig(_Section):
     """Baseline = mean of the other members (RLOO) instead of the group mean."""
     naive_ppo_ablation: bool = False
     """ABLATION ONLY: use behaviour logprobs as π_old (no proximal policy). Logged loudly."""
+    dual_clip_c: float | None = Field(None, gt=1.0)
+    """Dual-clip PPO: for A < 0 the per-token objective is bounded below by c·A (verl's
+    `clip_ratio_c`, 3 by default there; AReaL `c_clip`; slime `--eps-clip-c`). None = off."""
+    behav_weight_lower: float | None = Field(None, ge=0.0, lt=1.0)
+    """Lower bound on the behaviour weight: `cap` raises w to it, `mask` drops the token
+    (slime `--tis-clip-low`, AReaL `rejection_sampling.lower`). None = no lower bound."""
+    adv_batch_norm: bool = False
+    """After the group normalisation, normalise advantages to mean 0, std 1 over the loss
+    tokens of the whole train batch (AReaL's `adv_norm: {mean_level: batch, std_level: batch}`)."""
 
 
 class TorchBackendConfig(_Section):
