@@ -252,7 +252,7 @@ def markdown(cells: list[dict[str, Any]], pairs: list[dict[str, Any]], command: 
     """The two tables (per cell, and the paired test per η) as markdown."""
     out = [f"`{command}` ({note})", "",
            "| config | η | objective | seeds | held-out accuracy, mean [95 % CI] | lag mean/max "
-           "| w max | cut share | clip frac | |θ−prox| | |prox−behav| | mean abs(A) | A = 0 |",
+           "| w max | cut share | clip frac | abs(θ−prox) | abs(prox−behav) | mean abs(A) | A = 0 |",
            "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in cells:
         lo, hi = c["accuracy_ci"]

@@ -323,14 +323,11 @@ class LossConfig(_Section):
     naive_ppo_ablation: bool = False
     """ABLATION ONLY: use behaviour logprobs as π_old (no proximal policy). Logged loudly."""
     dual_clip_c: float | None = Field(None, gt=1.0)
-    """Dual-clip PPO: for A < 0 the per-token objective is bounded below by c·A (verl's
-    `clip_ratio_c`, 3 by default there; AReaL `c_clip`; slime `--eps-clip-c`). None = off."""
+    """Dual-clip PPO: for A < 0 the token objective is at least c·A (verl `clip_ratio_c`, 3 there). None = off."""
     behav_weight_lower: float | None = Field(None, ge=0.0, lt=1.0)
-    """Lower bound on the behaviour weight: `cap` raises w to it, `mask` drops the token
-    (slime `--tis-clip-low`, AReaL `rejection_sampling.lower`). None = no lower bound."""
+    """Lower bound on the behaviour weight (raised to it in `cap` mode, token dropped in `mask`). None = none."""
     adv_batch_norm: bool = False
-    """After the group normalisation, normalise advantages to mean 0, std 1 over the loss
-    tokens of the whole train batch (AReaL's `adv_norm: {mean_level: batch, std_level: batch}`)."""
+    """Then normalise advantages over the batch's loss tokens (mean 0, std 1), as AReaL's batch `adv_norm`."""
 
 
 class TorchBackendConfig(_Section):
