@@ -1,40 +1,53 @@
-"""Staleness ablation (AReaL's Table 2 at small scale): naive vs decoupled PPO over η.
+"""Staleness ablation (AReaL's Table 2 at small scale): naive vs decoupled PPO over η, with statistics.
 
-Grid: η ∈ {0, 2, 8} × {naive PPO (behaviour logprobs used as π_old:
-`train.loss.naive_ppo_ablation=true`), decoupled PPO (explicit proximal policy, the
-default, behaviour weight π_prox/π_behav capped: `decoupled`), decoupled PPO with the
-weight's out-of-range tokens masked instead (`decoupled_mask`:
-`train.loss.behav_weight_mode=mask`)} × seeds (`--modes` picks objectives). Everything else is the quickstart (tool-form arithmetic, warm-started
-model, 8 prompts × 8 samples, lr 3e-4). At η = 0 both objectives coincide up to
-numerics (behaviour = proximal policy), so η = 0 is the reference; the question is how
-each objective holds up as samples get staler. Reported per cell: final held-out
-sampled accuracy and final train reward (mean, and spread = max − min over seeds),
-the version lag actually reached (a bound only bites if the rollout runs ahead of the
-trainer), and the CPU other processes used meanwhile. Contenders alternate order per
-seed. Up to ~30 minutes with the defaults on 2 shared cores.
+Grid: configs × η × objectives × seeds. Configs: the quickstart and `configs/long_answers.yaml`
+(answers long enough that weight updates land mid-decode). η ∈ {0, 2, 4, 8}. Objectives
+(`--modes`): `naive` PPO (behaviour logprobs used as π_old: `train.loss.naive_ppo_ablation=true`),
+`decoupled` PPO (explicit proximal policy, the default, behaviour weight π_prox/π_behav capped)
+and, on request, `decoupled_mask` (`train.loss.behav_weight_mode=mask`). Seeds 0–7 by default.
+Everything else is the config's, so `--set KEY=VALUE` applies to every run. At η = 0 the two
+objectives coincide up to numerics; the question is how each holds up as samples get staler.
 
-    python bench/staleness_ablation.py [--etas 0,2,8] [--seeds 0,1,2] [--steps 30]
-        [--modes naive,decoupled,decoupled_mask]
-    python bench/staleness_ablation.py --smoke   # η 2, decoupled, one seed, 2 steps of 2 prompts,
-                                                 # 8 held-out problems, a temporary folder
+Statistics. The unit is a seed: for every (config, η), naive and decoupled run with the same
+seed (same prompts, same initial weights), so the difference decoupled − naive of the final
+held-out sampled accuracy is paired per seed. Reported per (config, η): each objective's mean
+with a 95 % Student-t interval over seeds, the mean paired difference with its 95 % t-interval,
+the paired t-test's two-sided p-value and an exact sign-flip permutation p-value (all 2^n
+sign patterns of the differences for n ≤ 16, else 100 000 draws from `random.Random(0)`;
+distribution-free, so it does not lean on normality with 8 seeds). scipy is not a dependency:
+the t quantile and the t CDF are computed here (regularised incomplete beta, Lentz's continued
+fraction) and tested against tabulated values (tests/test_staleness_stats.py).
 
-Also reported per cell, from the train-step records: the mean per-token gap
-|log π_prox − log π_behav| (how far the trainer has moved from the sampler), the largest
-behaviour weight seen, and the fraction of tokens whose weight was capped or masked —
-the numbers that explain why one objective holds up better than the other.
+Also per cell, from the train-step records (what the objective did, #34): the version lag
+reached (a bound only bites if the rollout runs ahead), the mean |log π_prox − log π_behav|,
+|log π_θ − log π_prox| and |log π_θ − log π_behav|, the largest behaviour weight, the share of
+tokens whose weight was capped or masked, the proximal clip fraction, the dual-clip fraction and
+the advantage scale (mean |A|, share of tokens with A = 0). Contenders alternate order per seed;
+the CPU that other processes used meanwhile is recorded per run.
 
-Progress on stderr; the last stdout line is one JSON object (bench/_record.py).
+    python bench/staleness_ablation.py                      # the full grid: 2 × 4 × 2 × 8 = 128 runs
+    python bench/staleness_ablation.py --configs configs/quickstart.yaml --etas 8 --seeds 0,1,2,3 --steps 20
+    python bench/staleness_ablation.py --smoke   # quickstart, η 2, decoupled, one seed, 2 steps of 2 prompts
+
+Writes `staleness_ablation.png` (accuracy ± 95 % CI per η, and the paired difference) and
+`staleness_ablation.md` (the tables) to the output folder; without `--smoke` and unless
+`--no-doc`, the tables also replace the generated part of the "Staleness ablation" section of
+docs/benchmarks.md. Progress on stderr; the last stdout line is one JSON object (bench/_record.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
+import math
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _record  # noqa: E402
@@ -42,8 +55,124 @@ from _runs import records, run_cli, summarise  # noqa: E402
 
 log = logging.getLogger("bench.staleness_ablation")
 
+ROOT = Path(__file__).resolve().parent.parent
 MODES = ("naive", "decoupled", "decoupled_mask")
+DEFAULT_CONFIGS = "configs/quickstart.yaml,configs/long_answers.yaml"
+DOC = ROOT / "docs" / "benchmarks.md"
+DOC_BEGIN = "<!-- staleness-ablation:begin: generated by bench/staleness_ablation.py; do not edit -->"
+DOC_END = "<!-- staleness-ablation:end -->"
+# Per-step means taken from the train-step records (key in the record -> key in a run's summary).
+STEP_MEANS = {
+    "behav_prox_gap": "prox_gap_mean", "theta_prox_gap": "theta_prox_gap", "theta_behav_gap": "theta_behav_gap",
+    "behav_cut_frac": "cut_frac", "clip_frac": "clip_frac", "dual_clip_frac": "dual_clip_frac",
+    "adv_abs_mean": "adv_abs_mean", "adv_zero_frac": "adv_zero_frac",
+}
 
+
+# ---- statistics (no scipy) -------------------------------------------------------------------
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularised incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-14:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbt = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(lbt) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(lbt) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T ≤ t) for Student's t with `df` degrees of freedom."""
+    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t (bisection on `t_cdf`, to 1e-10)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    lo, hi = -1e4, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-10:
+            break
+    return (lo + hi) / 2.0
+
+
+def mean_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the Student-t interval for the mean; (x, x, x) for a single value."""
+    n = len(xs)
+    m = statistics.mean(xs)
+    if n < 2:
+        return m, m, m
+    half = t_quantile(0.5 + level / 2.0, n - 1) * statistics.stdev(xs) / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def sign_flip_p(diffs: list[float], *, draws: int = 100_000, exact_up_to: int = 16) -> float:
+    """Two-sided p of the sign-flip permutation test of mean(diffs) = 0 (paired, distribution-free).
+
+    Under the null each paired difference is as likely +d as −d; p is the share of the 2^n sign
+    patterns whose |mean| is at least the observed one (the observed pattern included). Exact for
+    n ≤ `exact_up_to`, else `draws` random patterns from `random.Random(0)` (plus the observed)."""
+    n = len(diffs)
+    if n == 0:
+        return 1.0
+    obs = abs(sum(diffs)) - 1e-12
+    if n <= exact_up_to:
+        hits = sum(abs(sum(s * d for s, d in zip(signs, diffs, strict=True))) >= obs
+                   for signs in itertools.product((1, -1), repeat=n))
+        return hits / 2 ** n
+    rng = random.Random(0)
+    hits = 1 + sum(abs(sum(d if rng.random() < 0.5 else -d for d in diffs)) >= obs for _ in range(draws))
+    return hits / (draws + 1)
+
+
+def paired(a: list[float], b: list[float], level: float = 0.95) -> dict[str, Any]:
+    """Paired comparison of b − a (same seed at the same index): mean, t-interval, t-test, sign-flip test."""
+    diffs = [y - x for x, y in zip(a, b, strict=True)]
+    n = len(diffs)
+    out: dict[str, Any] = {"n": n}
+    if n == 0:
+        return out
+    m, lo, hi = mean_ci(diffs, level)
+    out.update(diff_mean=round(m, 4), diff_ci=[round(lo, 4), round(hi, 4)],
+               b_wins=sum(d > 0 for d in diffs), ties=sum(d == 0 for d in diffs))
+    if n >= 2:
+        sd = statistics.stdev(diffs)
+        t = m / (sd / math.sqrt(n)) if sd > 0 else (0.0 if m == 0 else math.copysign(math.inf, m))
+        out["t"] = round(t, 3) if math.isfinite(t) else t
+        out["p_t"] = round(2.0 * (1.0 - t_cdf(abs(t), n - 1)), 4) if math.isfinite(t) else 0.0
+    out["p_signflip"] = round(sign_flip_p(diffs), 4)
+    return out
+
+
+# ---- the runs ----------------------------------------------------------------------------------
 
 def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int) -> list[str]:
     return [
@@ -53,6 +182,8 @@ def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int) -> l
         f"run.seed={seed}",
         f"train.total_steps={steps}",
         "run.checkpoint_every_n_steps=1000",
+        "run.record_trajectories=false",
+        "run.record_weights=false",
         "eval.every_n_steps=0",  # evaluate the final version only
         f"eval.num_samples={eval_samples}",
         "rollout.server_threads=1",
@@ -63,23 +194,159 @@ def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int) -> l
     ]
 
 
+def weight_stats(run_dir: Path) -> dict[str, float]:
+    """What the objective did over the run: per-step means of the train-step records (#34)."""
+    steps = [r for r in records(run_dir) if r["kind"] == "train_step" and not r.get("skipped")]
+    out = {short: statistics.mean(r.get(key, 0.0) for r in steps) for key, short in STEP_MEANS.items()}
+    out["prox_gap_max"] = max(r.get("behav_prox_gap", 0.0) for r in steps)
+    out["behav_weight_max"] = max(r.get("behav_weight_max", 1.0) for r in steps)
+    out["capped_or_masked"] = statistics.mean(r.get("behav_capped", 0.0) + r.get("behav_masked", 0.0) for r in steps)
+    return out
+
+
+def tabulate(runs: list[dict[str, Any]], configs: list[str], etas: list[int], modes: list[str]
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(cells, pairs): per (config, η, mode) means with 95 % intervals; per (config, η) the paired test."""
+    cells, pairs = [], []
+    for cfg, eta in itertools.product(configs, etas):
+        by_mode: dict[str, dict[int, float]] = {}
+        for mode in modes:
+            rs = [r for r in runs if r["config"] == cfg and r["eta"] == eta and r["mode"] == mode]
+            if not rs:
+                continue
+            acc = {r["seed"]: r["eval_accuracy"] for r in rs if r["eval_accuracy"] is not None}
+            by_mode[mode] = acc
+            m, lo, hi = mean_ci(list(acc.values())) if acc else (None, None, None)
+            row: dict[str, Any] = {
+                "config": cfg, "eta": eta, "mode": mode, "seeds": len(rs),
+                "accuracy_mean": _r(m), "accuracy_ci": [_r(lo), _r(hi)],
+                "accuracy_spread": _r(max(acc.values()) - min(acc.values())) if acc else None,
+                "reward_mean": _r(statistics.mean(r["final_reward"] for r in rs)),
+                "mean_version_lag": _r(statistics.mean(r["mean_version_lag"] for r in rs), 2),
+                "max_version_lag": max(r["max_version_lag"] for r in rs),
+                "behav_weight_max": _r(max(r["behav_weight_max"] for r in rs), 3),
+                "prox_gap_max": _r(max(r["prox_gap_max"] for r in rs)),
+                "capped_or_masked": _r(statistics.mean(r["capped_or_masked"] for r in rs), 5),
+                "other_cores": _r(statistics.median(r["other_cores"] for r in rs), 2),
+            }
+            for short in STEP_MEANS.values():
+                row[short] = _r(statistics.mean(r.get(short, 0.0) for r in rs), 5)
+            cells.append(row)
+        for base, other in (("naive", "decoupled"), ("naive", "decoupled_mask")):
+            if base in by_mode and other in by_mode:
+                seeds = sorted(set(by_mode[base]) & set(by_mode[other]))
+                pairs.append({"config": cfg, "eta": eta, "a": base, "b": other, "seeds": seeds,
+                              **paired([by_mode[base][s] for s in seeds], [by_mode[other][s] for s in seeds])})
+    return cells, pairs
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def _f(x: float | None, nd: int = 3, sign: bool = False) -> str:
+    return "—" if x is None else (f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}")
+
+
+def markdown(cells: list[dict[str, Any]], pairs: list[dict[str, Any]], command: str, note: str) -> str:
+    """The two tables (per cell, and the paired test per η) as markdown."""
+    out = [f"`{command}` ({note})", "",
+           "| config | η | objective | seeds | held-out accuracy, mean [95 % CI] | lag mean/max "
+           "| w max | cut share | clip frac | abs(θ−prox) | abs(prox−behav) | mean abs(A) | A = 0 |",
+           "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in cells:
+        lo, hi = c["accuracy_ci"]
+        out.append(f"| {c['config']} | {c['eta']} | {c['mode']} | {c['seeds']} | {_f(c['accuracy_mean'])} "
+                   f"[{_f(lo)}, {_f(hi)}] | {_f(c['mean_version_lag'], 2)}/{c['max_version_lag']} "
+                   f"| {_f(c['behav_weight_max'], 2)} | {_f(c['cut_frac'], 4)} | {_f(c['clip_frac'], 4)} "
+                   f"| {_f(c['theta_prox_gap'], 4)} | {_f(c['prox_gap_mean'], 4)} | {_f(c['adv_abs_mean'], 3)} "
+                   f"| {_f(c['adv_zero_frac'], 3)} |")
+    out += ["", "| config | η | paired difference (b − a) | seeds | mean [95 % t-interval] | b better | p (t) "
+                "| p (sign-flip) |", "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]
+    for p in pairs:
+        lo, hi = p.get("diff_ci", [None, None])
+        out.append(f"| {p['config']} | {p['eta']} | {p['b']} − {p['a']} | {p['n']} | {_f(p.get('diff_mean'), 3, True)} "
+                   f"[{_f(lo, 3, True)}, {_f(hi, 3, True)}] | {p.get('b_wins', '—')}/{p['n']} "
+                   f"| {_f(p.get('p_t'), 3)} | {_f(p.get('p_signflip'), 3)} |")
+    return "\n".join(out) + "\n"
+
+
+def write_doc(md: str, doc: Path = DOC) -> None:
+    """Replace the generated part of the staleness section of docs/benchmarks.md."""
+    text = doc.read_text()
+    if text.count(DOC_BEGIN) != 1 or text.count(DOC_END) != 1:
+        raise SystemExit(f"{doc}: the staleness section must hold the markers once each:\n{DOC_BEGIN}\n{DOC_END}")
+    head, rest = text.split(DOC_BEGIN)
+    _, tail = rest.split(DOC_END)
+    doc.write_text(f"{head}{DOC_BEGIN}\n{md}{DOC_END}{tail}")
+
+
+def plot(cells: list[dict[str, Any]], pairs: list[dict[str, Any]], configs: list[str], etas: list[int],
+         modes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(configs), figsize=(4.5 * len(configs), 6), squeeze=False, sharex=True)
+    styles = {"naive": "s--", "decoupled": "o-", "decoupled_mask": "^:"}
+    for j, cfg in enumerate(configs):
+        ax, dx = axes[0][j], axes[1][j]
+        for k, mode in enumerate(modes):
+            rows = [c for c in cells if c["config"] == cfg and c["mode"] == mode and c["accuracy_mean"] is not None]
+            if not rows:
+                continue
+            xs = [c["eta"] + 0.1 * (k - 1) for c in rows]
+            ys = [c["accuracy_mean"] for c in rows]
+            err = [[y - c["accuracy_ci"][0] for y, c in zip(ys, rows, strict=True)],
+                   [c["accuracy_ci"][1] - y for y, c in zip(ys, rows, strict=True)]]
+            ax.errorbar(xs, ys, yerr=err, fmt=styles[mode], capsize=3, label=mode.replace("_", " "))
+        ax.set_title(cfg)
+        ax.set_ylabel("held-out accuracy (95 % CI)")
+        ax.legend(fontsize=8)
+        for k, b in enumerate(("decoupled", "decoupled_mask")):
+            rows = [p for p in pairs if p["config"] == cfg and p["b"] == b and "diff_mean" in p]
+            if rows:
+                ys = [p["diff_mean"] for p in rows]
+                err = [[y - p["diff_ci"][0] for y, p in zip(ys, rows, strict=True)],
+                       [p["diff_ci"][1] - y for y, p in zip(ys, rows, strict=True)]]
+                dx.errorbar([p["eta"] + 0.1 * k for p in rows], ys, yerr=err, fmt=styles[b], capsize=3,
+                            label=f"{b.replace('_', ' ')} − naive")
+        dx.axhline(0.0, color="grey", lw=0.8)
+        dx.set_xlabel("η (max staleness)")
+        dx.set_ylabel("paired difference (95 % CI)")
+        dx.set_xticks(etas)
+        dx.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def config_name(path: str) -> str:
+    return Path(path).stem
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--etas", default="0,2,8")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"objectives, from {','.join(MODES)}")
+    ap.add_argument("--configs", "--config", dest="configs", default=DEFAULT_CONFIGS,
+                    help="comma-separated config files (default: quickstart and long_answers)")
+    ap.add_argument("--etas", default="0,2,4,8")
+    ap.add_argument("--seeds", default="0,1,2,3,4,5,6,7")
+    ap.add_argument("--modes", default="naive,decoupled", help=f"objectives, from {','.join(MODES)}")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-samples", type=int, default=256)
-    ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run (repeatable)")
     ap.add_argument("--out", default=None,
                     help="default: runs/bench_staleness_ablation (--smoke: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="keep runs that finished in --out (same settings!)")
-    args, recorder = _record.parse(ap, __file__, smoke={"etas": "2", "seeds": "0", "modes": "decoupled",
-                                                         "steps": 2, "eval_samples": 8,
-                                                         "sets": ["train.batch_size=2"]})
+    ap.add_argument("--no-doc", action="store_true", help="do not rewrite the tables in docs/benchmarks.md")
+    args, recorder = _record.parse(ap, __file__, smoke={"configs": "configs/quickstart.yaml", "etas": "2",
+                                                         "seeds": "0", "modes": "decoupled", "steps": 2,
+                                                         "eval_samples": 8, "sets": ["train.batch_size=2"]})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    configs = [c for c in args.configs.split(",") if c]
     etas = [int(x) for x in args.etas.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
     out = _record.out_dir(args.out, "staleness_ablation", args.smoke)
@@ -87,109 +354,66 @@ def main() -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         ap.error(f"unknown --modes {sorted(unknown)}; pick from {','.join(MODES)}")
-    cells = [(e, m) for e in etas for m in modes]
-    runs: list[dict] = []
+    names = [config_name(c) for c in configs]
+    if len(set(names)) != len(names):
+        ap.error(f"--configs: two files share a name: {names}")
+    cells_grid = [(c, e, m) for c in configs for e in etas for m in modes]
+    runs: list[dict[str, Any]] = []
     t_all = time.time()
     k = 0
     for i, seed in enumerate(seeds):
-        for eta, mode in cells if i % 2 == 0 else list(reversed(cells)):
+        for cfg, eta, mode in cells_grid if i % 2 == 0 else list(reversed(cells_grid)):
             k += 1
-            run_dir = out / f"eta{eta}_{mode}_seed{seed}"
-            log.info("[%d/%d] η=%d %s seed %d ...", k, len(cells) * len(seeds), eta, mode, seed)
+            run_dir = out / config_name(cfg) / f"eta{eta}_{mode}_seed{seed}"
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            log.info("[%d/%d] %s η=%d %s seed %d ...", k, len(cells_grid) * len(seeds), config_name(cfg), eta,
+                     mode, seed)
             done_file = run_dir.parent / f"{run_dir.name}.cpu.json"
             if args.reuse and done_file.exists():  # finished earlier with the same settings
                 cpu = json.loads(done_file.read_text())
             else:
-                cpu = run_cli(args.config, [*sets_for(eta, mode, seed, args.steps, args.eval_samples), *args.sets], run_dir)
+                cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples), *args.sets], run_dir)
                 done_file.write_text(json.dumps(cpu))
-            s = {"eta": eta, "mode": mode, "seed": seed, **summarise(run_dir), **weight_stats(run_dir), **cpu}
+            s = {"config": config_name(cfg), "eta": eta, "mode": mode, "seed": seed, **summarise(run_dir),
+                 **weight_stats(run_dir), **cpu}
             runs.append(s)
-            log.info("    accuracy %s, train reward %.3f, lag max %d (mean %.2f), %.1f s, other CPU %.2f cores",
-                     s["eval_accuracy"], s["final_reward"], s["max_version_lag"], s["mean_version_lag"],
-                     s["wall_s"], s["other_cores"])
+            log.info("    accuracy %s, train reward %.3f, lag max %d (mean %.2f), cut %.4f, clip %.4f, "
+                     "|θ−prox| %.4f, %.1f s, other CPU %.2f cores", s["eval_accuracy"], s["final_reward"],
+                     s["max_version_lag"], s["mean_version_lag"], s["cut_frac"], s["clip_frac"],
+                     s["theta_prox_gap"], s["wall_s"], s["other_cores"])
 
-    table = []
-    for eta, mode in cells:
-        rs = [r for r in runs if r["eta"] == eta and r["mode"] == mode]
-        acc = [r["eval_accuracy"] for r in rs if r["eval_accuracy"] is not None]
-        rew = [r["final_reward"] for r in rs]
-        table.append({
-            "eta": eta, "mode": mode,
-            "accuracy_mean": round(statistics.mean(acc), 4) if acc else None,
-            "accuracy_spread": round(max(acc) - min(acc), 4) if acc else None,
-            "reward_mean": round(statistics.mean(rew), 4),
-            "reward_spread": round(max(rew) - min(rew), 4),
-            "mean_version_lag": round(statistics.mean(r["mean_version_lag"] for r in rs), 2),
-            "prox_gap_mean": round(statistics.mean(r["prox_gap_mean"] for r in rs), 4),
-            "prox_gap_max": round(max(r["prox_gap_max"] for r in rs), 4),
-            "behav_weight_max": round(max(r["behav_weight_max"] for r in rs), 3),
-            "capped_or_masked": round(statistics.mean(r["capped_or_masked"] for r in rs), 5),
-            "max_version_lag": max(r["max_version_lag"] for r in rs),
-            "other_cores": round(statistics.median(r["other_cores"] for r in rs), 2),
-        })
-    print(f"\n{'η':>3} {'objective':>15} {'accuracy':>14} {'train reward':>14} {'lag mean/max':>12} "
-          f"{'gap mean/max':>14} {'w max':>7} {'cut/step':>9}", file=sys.stderr)
-    for row in table:
-        print(f"{row['eta']:>3} {row['mode']:>15} {row['accuracy_mean']:>7.3f} ±{row['accuracy_spread']:<5.3f} "
-              f"{row['reward_mean']:>7.3f} ±{row['reward_spread']:<5.3f} "
-              f"{row['mean_version_lag']:>6.2f}/{row['max_version_lag']:<5} "
-              f"{row['prox_gap_mean']:>6.3f}/{row['prox_gap_max']:<6.3f} {row['behav_weight_max']:>7.2f} "
-              f"{row['capped_or_masked']:>7.4f}", file=sys.stderr)
-
-    def cell(eta: int, mode: str) -> dict:
-        return next(r for r in table if r["eta"] == eta and r["mode"] == mode)
-
-    hi, lo = max(etas), min(etas)
-    result = {
+    cells, pairs = tabulate(runs, names, etas, modes)
+    other = statistics.median(r["other_cores"] for r in runs)
+    md = markdown(cells, pairs, recorder.command,
+                  f"{args.steps} steps, other processes {other:.2f} cores (median)")
+    print(md, file=sys.stderr)
+    (out / "staleness_ablation.md").write_text(md)
+    result: dict[str, Any] = {
         "benchmark": "staleness_ablation",
+        "configs": names,
         "steps": args.steps,
         "seeds": seeds,
         "extra_sets": args.sets,
-        "table": table,
+        "table": cells,
+        "paired": pairs,
+        "paired_diff": {f"{p['config']}.eta{p['eta']}.{p['b']}": (
+            f"{p['diff_mean']:+.3f} [{p['diff_ci'][0]:+.3f}, {p['diff_ci'][1]:+.3f}] p={p['p_signflip']:.3f}")
+            for p in pairs if "diff_mean" in p},
         "runs": runs,
         "total_s": round(time.time() - t_all, 1),
     }
-    for mode in modes:
-        a_hi, a_lo = cell(hi, mode)["accuracy_mean"], cell(lo, mode)["accuracy_mean"]
-        if a_hi is not None and a_lo is not None:
-            result[f"{mode}_accuracy_drop_eta{hi}_vs_eta{lo}"] = round(a_lo - a_hi, 4)
-    _plot(table, etas, modes, out / "staleness_ablation.png")
+    hi, lo = max(etas), min(etas)
+    for name, mode in itertools.product(names, modes):
+        cell = {(c["eta"], c["mode"]): c for c in cells if c["config"] == name}
+        a_hi, a_lo = cell[(hi, mode)]["accuracy_mean"], cell[(lo, mode)]["accuracy_mean"]
+        if a_hi is not None and a_lo is not None and hi != lo:
+            result[f"{name}.{mode}_accuracy_drop_eta{hi}_vs_eta{lo}"] = round(a_lo - a_hi, 4)
+    plot(cells, pairs, names, etas, modes, out / "staleness_ablation.png")
     result["plot"] = str(out / "staleness_ablation.png")
+    if not args.smoke and not args.no_doc:
+        write_doc(md)
+        result["doc"] = str(DOC.relative_to(ROOT))
     recorder.finish(result)
-
-
-def weight_stats(run_dir: Path) -> dict[str, float]:
-    """How far π_prox is from π_behav over the run, and what the weight cap/mask cut."""
-    steps = [r for r in records(run_dir) if r["kind"] == "train_step" and not r.get("skipped")]
-    gaps = [r.get("behav_prox_gap", 0.0) for r in steps]
-    cut = [r.get("behav_capped", 0.0) + r.get("behav_masked", 0.0) for r in steps]
-    return {"prox_gap_mean": statistics.mean(gaps), "prox_gap_max": max(gaps),
-            "behav_weight_max": max(r.get("behav_weight_max", 1.0) for r in steps),
-            "capped_or_masked": statistics.mean(cut)}
-
-
-def _plot(table: list[dict], etas: list[int], modes: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    styles = {"naive": "s--", "decoupled": "o-", "decoupled_mask": "^:"}
-    for k, mode in enumerate(modes):
-        rows = [r for r in table if r["mode"] == mode]
-        ax.errorbar([r["eta"] + 0.08 * (k - 1) for r in rows], [r["accuracy_mean"] for r in rows],
-                    yerr=[r["accuracy_spread"] / 2 for r in rows], fmt=styles[mode], capsize=3,
-                    label=mode.replace("_", " (") + (")" if "_" in mode else "") + " PPO")
-    ax.set_xlabel("η (max staleness)")
-    ax.set_ylabel("held-out sampled accuracy")
-    ax.set_xticks(etas)
-    ax.legend()
-    ax.set_title("staleness ablation")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

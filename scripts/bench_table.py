@@ -46,7 +46,7 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
                   "python bench/scale_out.py", None),
     "soak": ("soak", ["minutes_target", "max_rss_growth", "fd_growth", "socket_growth", "pass"],
              "python bench/soak.py --minutes 60", "reliability.md#soak-memory-files-and-sockets-stay-flat"),
-    "staleness_ablation": ("staleness ablation", ["*_accuracy_drop_eta*_vs_eta*"],
+    "staleness_ablation": ("staleness ablation", ["paired_diff.*", "*_accuracy_drop_eta*_vs_eta*"],
                            "python bench/staleness_ablation.py", None),
     "startup": ("start-up", ["first_step_s"], "python bench/startup.py --repeats 3", None),
     "time_to_target": ("quickstart to 0.9", ["table.*.median_s"],

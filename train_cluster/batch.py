@@ -25,7 +25,7 @@ import torch
 
 from areal_like.core.config import LossConfig
 from areal_like.core.types import Trajectory
-from train_cluster.losses import group_advantages
+from train_cluster.losses import group_advantages, masked_normalize
 
 __all__ = ["TrainBatch", "build_batch", "pack_sequences", "balanced_partition", "shard_batch", "split_mini_batches"]
 
@@ -141,11 +141,14 @@ def build_batch(
         temps += [t.temperature] * (p + r)
         vers += [-1] * p + t.response_versions
         lens.append(p + r)
+    adv_t = torch.tensor(advs, dtype=torch.float32)
+    if loss.adv_batch_norm:  # over the whole global batch's loss tokens, before any sharding
+        adv_t = masked_normalize(adv_t, torch.tensor(mask, dtype=torch.float32))
     return TrainBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64),
         loss_mask=torch.tensor(mask, dtype=torch.float32),
         behav_logprobs=torch.tensor(behav, dtype=torch.float32),
-        advantages=torch.tensor(advs, dtype=torch.float32),
+        advantages=adv_t,
         temperature=torch.tensor(temps, dtype=torch.float32),
         versions=torch.tensor(vers, dtype=torch.int64),
         seq_lens=torch.tensor(lens, dtype=torch.int64),

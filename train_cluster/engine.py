@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 STAT_KEYS = (
     "version", "skipped", "skipped_total", "loss", "pg_loss", "kl", "clip_frac", "behav_weight_mean",
-    "behav_weight_max", "behav_capped", "behav_masked", "behav_prox_gap", "entropy", "grad_norm",
+    "behav_weight_max", "behav_capped", "behav_masked", "behav_prox_gap", "behav_cut_frac", "dual_clip_frac",
+    "theta_prox_gap", "theta_behav_gap", "adv_abs_mean", "adv_zero_frac", "entropy", "grad_norm",
     "lr", "tokens_per_s", "num_seqs", "num_tokens", "num_loss_tokens", "mini_batches_applied",
     "step_time_s", "prox_time_s", "fwd_bwd_time_s", "optimizer_time_s",
 )
@@ -47,10 +48,20 @@ STAT_KEYS = (
 `step_time_s` the whole step; `prox_time_s` the π_prox (and π_ref) logprob passes before
 the first mini-batch; `fwd_bwd_time_s` forward, loss, backward, clipping and their
 collectives, and `optimizer_time_s` the optimizer and LR steps, each summed over the
-mini-batches (the trainer's step time budget, docs/design.md §10.19)."""
+mini-batches (the trainer's step time budget, docs/design.md §10.19).
+
+What the objective did (#34), each a mean over the step's loss tokens: `behav_cut_frac`
+the share whose behaviour weight left [lower, cap] (capped or masked; `behav_capped` and
+`behav_masked` are the counts), `clip_frac` the share where the PPO clip around π_old
+bound (π_prox, or π_behav in the naive ablation), `dual_clip_frac` the dual clip's share,
+`behav_prox_gap` / `theta_prox_gap` / `theta_behav_gap` the mean |Δ log π| between the
+behaviour, proximal and current policies (θ as each mini-batch's forward sees it: 0 on the
+first mini-batch), `adv_abs_mean` the mean |A| and `adv_zero_frac` the share with A = 0."""
 
 # Indices into the summed statistics vector of one step.
-_S_LOSS, _S_PG, _S_KL, _S_CLIP, _S_W, _S_CAP, _S_MASK, _S_GAP, _S_ENT, _S_TOK, _S_NUM = range(11)
+_N_S = 16
+(_S_LOSS, _S_PG, _S_KL, _S_CLIP, _S_W, _S_CAP, _S_MASK, _S_GAP, _S_ENT, _S_TOK, _S_NUM, _S_DUAL, _S_TPGAP,
+ _S_TBGAP, _S_ADV, _S_ADV0) = range(_N_S)
 
 
 def lr_factor(step: int, *, schedule: str, warmup: int, total: int) -> float:
@@ -131,7 +142,7 @@ class TrainEngine(ABC):
         minis = minis[:1] + [m.with_(prox_logprobs=self.compute_logprobs(m)) for m in minis[1:]]
         prox_time = time.perf_counter() - t0
 
-        sums = torch.zeros(11, dtype=torch.float64)
+        sums = torch.zeros(_N_S, dtype=torch.float64)
         w_max = torch.zeros(1, dtype=torch.float64)
         grad_norms: list[float] = []
         applied = 0
@@ -184,6 +195,12 @@ class TrainEngine(ABC):
             "behav_capped": sums[_S_CAP].item(),
             "behav_masked": sums[_S_MASK].item(),
             "behav_prox_gap": sums[_S_GAP].item() / tok,
+            "behav_cut_frac": (sums[_S_CAP].item() + sums[_S_MASK].item()) / tok,
+            "dual_clip_frac": sums[_S_DUAL].item() / tok,
+            "theta_prox_gap": sums[_S_TPGAP].item() / tok,
+            "theta_behav_gap": sums[_S_TBGAP].item() / tok,
+            "adv_abs_mean": sums[_S_ADV].item() / tok,
+            "adv_zero_frac": sums[_S_ADV0].item() / tok,
             "entropy": sums[_S_ENT].item() / tok,
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lr,
@@ -234,7 +251,7 @@ class TrainEngine(ABC):
         counts = self._all_reduce(counts)
         denom = counts[0].item() if loss_cfg.agg == "token_mean" else counts[1].item()
         denom = max(denom, 1.0)
-        sums = torch.zeros(11, dtype=torch.float64)
+        sums = torch.zeros(_N_S, dtype=torch.float64)
         w_max = torch.zeros(1, dtype=torch.float64)
         plan = self._plan(mini)
         self._train_mode(True)
@@ -264,11 +281,13 @@ class TrainEngine(ABC):
         mask = mb.loss_mask.to(dev)
         prox = mb.prox_logprobs.to(dev) if mb.prox_logprobs is not None else lp.detach()
         behav = mb.behav_logprobs.to(dev)
+        adv = mb.advantages.to(dev)
         terms = decoupled_ppo_loss(
-            lp, prox, behav, mb.advantages.to(dev), mask,
+            lp, prox, behav, adv, mask,
             eps_clip=loss_cfg.eps_clip, eps_clip_high=loss_cfg.eps_clip_high,
             behav_weight_cap=loss_cfg.behav_weight_cap, behav_weight_mode=loss_cfg.behav_weight_mode,
-            naive_ppo_ablation=loss_cfg.naive_ppo_ablation,
+            naive_ppo_ablation=loss_cfg.naive_ppo_ablation, dual_clip_c=loss_cfg.dual_clip_c,
+            behav_weight_lower=loss_cfg.behav_weight_lower,
         )
         seq_index = mb.seq_index().to(dev)
         seq_counts = mb.seq_loss_tokens().to(dev)
@@ -290,7 +309,9 @@ class TrainEngine(ABC):
             sums = torch.stack([
                 loss.detach(), pg.detach(), kl_sum, terms.clipped.sum(), (terms.behav_weight * mask).sum(),
                 terms.capped.sum(), terms.masked.sum(), ((prox - behav).abs() * mask).sum(), ent_sum,
-                mask.sum(), torch.tensor(float(mb.num_seqs), device=dev),
+                mask.sum(), torch.tensor(float(mb.num_seqs), device=dev), terms.dual_clipped.sum(),
+                ((lp.detach() - prox).abs() * mask).sum(), ((lp.detach() - behav).abs() * mask).sum(),
+                (adv.abs() * mask).sum(), ((adv == 0).to(mask.dtype) * mask).sum(),
             ]).double().cpu()
             w_max = (terms.behav_weight * mask).max().double().cpu().reshape(1)
         return loss, sums, w_max

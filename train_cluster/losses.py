@@ -24,7 +24,18 @@ objective and carries no gradient:
 w is ALWAYS applied. Large w (the sampler put little mass on a token the proximal
 policy likes) is bounded: `cap` clamps w at `behav_weight_cap`, `mask` drops the
 token from the loss. When π_prox == π_behav (fully on-policy data), w ≡ 1 and the
-loss is exactly PPO-clip. The naive ablation uses π_behav as π_old and no w; it is
+loss is exactly PPO-clip.
+
+Two optional terms, both off by default, exist because AReaL, verl and slime have
+them (docs/design.md §10.21 compares the objectives term by term):
+- `dual_clip_c` (dual-clip PPO, Ye et al. 2019; verl `clip_ratio_c` = 3 by default,
+  AReaL `c_clip`, slime `--eps-clip-c`): for A < 0 the per-token objective is bounded
+  below by c·A, so a token whose ratio ran far above 1 cannot dominate the step;
+- `behav_weight_lower`: a lower bound on w (slime `--tis-clip-low`, AReaL
+  `rejection_sampling.lower`, verl's rejection-sampling lower threshold); `cap`
+  raises w to it, `mask` drops the token.
+And `masked_normalize`, AReaL's `adv_norm` (batch mean and std over the loss
+tokens, after the group normalisation), for `train.loss.adv_batch_norm`. The naive ablation uses π_behav as π_old and no w; it is
 the baseline the decoupled objective is compared against and is never a default.
 """
 
@@ -45,6 +56,7 @@ __all__ = [
     "PPOTerms",
     "kl_k3",
     "aggregate",
+    "masked_normalize",
 ]
 
 logger = logging.getLogger(__name__)
@@ -121,6 +133,8 @@ class PPOTerms:
     """1 where w exceeded the cap and was clamped (mode `cap`)."""
     masked: torch.Tensor
     """1 where w exceeded the cap and the token was dropped (mode `mask`)."""
+    dual_clipped: torch.Tensor
+    """1 where the dual clip (A < 0, objective below c·A) bound the objective."""
 
 
 def decoupled_ppo_loss(
@@ -135,6 +149,8 @@ def decoupled_ppo_loss(
     behav_weight_cap: float = 5.0,
     behav_weight_mode: Literal["cap", "mask"] = "cap",
     naive_ppo_ablation: bool = False,
+    dual_clip_c: float | None = None,
+    behav_weight_lower: float | None = None,
 ) -> PPOTerms:
     """Per-token decoupled PPO loss (see the module docstring for the formula).
 
@@ -145,7 +161,16 @@ def decoupled_ppo_loss(
 
     `naive_ppo_ablation=True` is the ablation of docs/design.md §9.16: π_old = π_behav,
     no importance weight. Callers log it loudly; it is never a default.
+
+    `dual_clip_c` (> 1): for A < 0 the objective is max(min(r A, clip(r) A), c A);
+    the gradient is zero where the bound binds (`dual_clipped`). `behav_weight_lower`
+    (< 1): w below it is raised to it (`cap`) or its token dropped (`mask`); such
+    tokens are counted in `capped` / `masked` like those above the cap.
     """
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+    if behav_weight_lower is not None and not 0.0 <= behav_weight_lower < 1.0:
+        raise ValueError(f"behav_weight_lower must be in [0, 1), got {behav_weight_lower}")
     mask = mask.to(logprobs.dtype)
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     old = behav_logprobs if naive_ppo_ablation else prox_logprobs
@@ -157,6 +182,13 @@ def decoupled_ppo_loss(
     clipped_obj = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_high) * advantages
     objective = torch.minimum(unclipped, clipped_obj)
     clipped = ((clipped_obj < unclipped) & (mask > 0)).to(logprobs.dtype)
+    if dual_clip_c is not None:
+        floor = dual_clip_c * advantages
+        binds = (advantages < 0) & (floor > objective)
+        objective = torch.where(binds, floor, objective)
+        dual_clipped = (binds & (mask > 0)).to(logprobs.dtype)
+    else:
+        dual_clipped = torch.zeros_like(mask)
 
     zeros = torch.zeros_like(mask)
     if naive_ppo_ablation:
@@ -165,16 +197,36 @@ def decoupled_ppo_loss(
     else:
         log_w = torch.where(mask > 0, (prox_logprobs - behav_logprobs).detach(), torch.zeros_like(mask))
         w = torch.exp(log_w)
-        over = (w > behav_weight_cap) & (mask > 0)
+        out_of_range = w > behav_weight_cap
+        if behav_weight_lower is not None:
+            out_of_range = out_of_range | (w < behav_weight_lower)
+        over = out_of_range & (mask > 0)
         if behav_weight_mode == "cap":
             capped, masked = over.to(mask.dtype), zeros
-            w = torch.clamp(w, max=behav_weight_cap)
+            w = torch.clamp(w, min=behav_weight_lower, max=behav_weight_cap)
         else:
             capped, masked = zeros, over.to(mask.dtype)
             mask = mask * (1.0 - masked)
             w = torch.where(over, torch.zeros_like(w), w)
     loss = -(w * objective) * mask
-    return PPOTerms(loss=loss, mask=mask, clipped=clipped, behav_weight=w, capped=capped, masked=masked)
+    return PPOTerms(loss=loss, mask=mask, clipped=clipped, behav_weight=w, capped=capped, masked=masked,
+                    dual_clipped=dual_clipped)
+
+
+def masked_normalize(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-5) -> torch.Tensor:
+    """(x − mean) / (std + eps) over the positions where `mask` is 1; 0 elsewhere.
+
+    The population std (÷ n), as AReaL's `masked_normalization` (unbiased=False,
+    eps 1e-5). Over the loss tokens of a batch, a sequence's advantage counts once per
+    token, so long responses weigh more in the mean, as in AReaL's `adv_norm` with
+    `mean_level: batch, std_level: batch`.
+    """
+    m = mask.to(torch.float64)
+    n = m.sum().clamp(min=1.0)
+    xd = x.to(torch.float64) * m
+    mean = xd.sum() / n
+    var = ((xd - mean) ** 2 * m).sum() / n
+    return (((x.to(torch.float64) - mean) / (var.sqrt() + eps)) * m).to(x.dtype)
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -322,6 +322,12 @@ class LossConfig(_Section):
     """Baseline = mean of the other members (RLOO) instead of the group mean."""
     naive_ppo_ablation: bool = False
     """ABLATION ONLY: use behaviour logprobs as π_old (no proximal policy). Logged loudly."""
+    dual_clip_c: float | None = Field(None, gt=1.0)
+    """Dual-clip PPO: for A < 0 the token objective is at least c·A (verl `clip_ratio_c`, 3 there). None = off."""
+    behav_weight_lower: float | None = Field(None, ge=0.0, lt=1.0)
+    """Lower bound on the behaviour weight (raised to it in `cap` mode, token dropped in `mask`). None = none."""
+    adv_batch_norm: bool = False
+    """Then normalise advantages over the batch's loss tokens (mean 0, std 1), as AReaL's batch `adv_norm`."""
 
 
 class TorchBackendConfig(_Section):

@@ -33,6 +33,17 @@ def test_build_batch_alignment(trajs) -> None:
     assert adv[3:].sum().item() == pytest.approx(0.0, abs=1e-5)
 
 
+def test_adv_batch_norm_normalises_over_the_loss_tokens(trajs) -> None:
+    ts = trajs(n_groups=2, group_size=3)
+    plain, normed = build_batch(ts, LossConfig()), build_batch(ts, LossConfig(adv_batch_norm=True))
+    m = plain.loss_mask > 0
+    a = plain.advantages[m].double()
+    expected = (a - a.mean()) / (a.std(unbiased=False) + 1e-5)  # AReaL's adv_norm, batch level
+    assert normed.advantages[m].double().tolist() == pytest.approx(expected.tolist(), rel=1e-5, abs=1e-6)
+    assert normed.advantages[m].mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert not torch.allclose(normed.advantages[m], plain.advantages[m])
+
+
 def test_packing_keeps_every_sequence_once_within_budget() -> None:
     lengths = [5, 17, 3, 9, 30, 1, 12, 12, 8]
     bins = pack_sequences(lengths, token_budget=20)

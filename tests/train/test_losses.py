@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from train_cluster.losses import aggregate, decoupled_ppo_loss, group_advantages, kl_k3, token_logprobs
+from train_cluster.losses import (
+    aggregate,
+    decoupled_ppo_loss,
+    group_advantages,
+    kl_k3,
+    masked_normalize,
+    token_logprobs,
+)
 
 
 def test_group_advantages_std_norm_by_hand() -> None:
@@ -113,3 +120,58 @@ def test_token_logprobs_uses_temperature_and_kl_is_zero_at_reference() -> None:
     assert lp.item() == pytest.approx(expected.item())
     assert kl_k3(lp, lp).item() == 0.0
     assert kl_k3(lp, lp - 0.3).item() > 0
+
+
+def test_dual_clip_bounds_negative_advantages_only() -> None:
+    # r = e^1.5 = 4.48 on every token. A = -1: PPO objective min(rA, 1.2A) = -4.48; the dual
+    # clip at c = 3 raises it to c·A = -3 (constant: zero gradient). A = +1: the upper clip
+    # gives 1.2 and the dual clip never applies. A = -1 with r = e^0.5 = 1.65 < 3: untouched.
+    lp = torch.tensor([1.5, 1.5, 0.5], requires_grad=True)
+    old = torch.zeros(3)
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    t = decoupled_ppo_loss(lp, old, old, adv, torch.ones(3), eps_clip=0.2, dual_clip_c=3.0)
+    assert t.loss.tolist() == pytest.approx([3.0, -1.2, math.exp(0.5)], rel=1e-6)
+    assert t.dual_clipped.tolist() == [1.0, 0.0, 0.0]
+    assert t.clipped.tolist() == [0.0, 1.0, 0.0]
+    t.loss.sum().backward()
+    assert lp.grad.tolist() == pytest.approx([0.0, 0.0, math.exp(0.5)], rel=1e-6)
+    # Off (the default): the first token keeps its unbounded PPO loss r·|A|.
+    off = decoupled_ppo_loss(lp.detach(), old, old, adv, torch.ones(3), eps_clip=0.2)
+    assert off.loss[0].item() == pytest.approx(math.exp(1.5)) and off.dual_clipped.sum() == 0
+    # The behaviour weight multiplies the dual-clipped objective too: w = e^-0.5 on token 0.
+    w = decoupled_ppo_loss(lp.detach(), old, torch.tensor([0.5, 0.0, 0.0]), adv, torch.ones(3), dual_clip_c=3.0)
+    assert w.loss[0].item() == pytest.approx(3.0 * math.exp(-0.5), rel=1e-6)
+    with pytest.raises(ValueError):
+        decoupled_ppo_loss(lp, old, old, adv, torch.ones(3), dual_clip_c=1.0)
+
+
+def test_behaviour_weight_lower_bound_cap_and_mask() -> None:
+    prox = torch.zeros(4)
+    behav = torch.tensor([0.0, 1.0, 3.0, -3.0])  # w = 1, e^-1 (0.368), e^-3 (0.050), e^3 (20.1)
+    lp, adv, mask = torch.zeros(4), torch.ones(4), torch.ones(4)
+    capped = decoupled_ppo_loss(lp, prox, behav, adv, mask, behav_weight_cap=5.0, behav_weight_mode="cap",
+                                behav_weight_lower=0.2)
+    assert capped.behav_weight.tolist() == pytest.approx([1.0, math.exp(-1), 0.2, 5.0], rel=1e-6)
+    assert capped.capped.tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert capped.loss.tolist() == pytest.approx([-1.0, -math.exp(-1), -0.2, -5.0], rel=1e-6)
+    masked = decoupled_ppo_loss(lp, prox, behav, adv, mask, behav_weight_cap=5.0, behav_weight_mode="mask",
+                                behav_weight_lower=0.2)
+    assert masked.masked.tolist() == [0.0, 0.0, 1.0, 1.0] and masked.mask.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert masked.loss.tolist() == pytest.approx([-1.0, -math.exp(-1), 0.0, 0.0], rel=1e-6)
+    # Without a lower bound a small weight is kept as it is (the default).
+    plain = decoupled_ppo_loss(lp, prox, behav, adv, mask, behav_weight_cap=5.0)
+    assert plain.behav_weight[2].item() == pytest.approx(math.exp(-3), rel=1e-6) and plain.capped[2] == 0
+    with pytest.raises(ValueError):
+        decoupled_ppo_loss(lp, prox, behav, adv, mask, behav_weight_lower=1.0)
+
+
+def test_masked_normalize_by_hand() -> None:
+    # Loss tokens carry 2, 2, -1, 1 (a 2-token sequence at A=2, two 1-token ones); the rest is prompt.
+    # mean = 4/4 = 1, population var = (1+1+4+0)/4 = 1.5 -> (x - 1)/sqrt(1.5); masked positions 0.
+    x = torch.tensor([9.0, 2.0, 2.0, 9.0, -1.0, 1.0])
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    s = math.sqrt(1.5)
+    out = masked_normalize(x, mask, eps=0.0)
+    assert out.tolist() == pytest.approx([0.0, 1 / s, 1 / s, 0.0, -2 / s, 0.0], rel=1e-6)
+    # eps keeps a uniform batch finite: all advantages become 0.
+    assert masked_normalize(torch.ones(3), torch.ones(3)).tolist() == [0.0, 0.0, 0.0]

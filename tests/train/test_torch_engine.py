@@ -26,6 +26,14 @@ def test_train_step_advances_version_and_reports_stats(tiny_model_dir, trajs) ->
     assert engine.version == 1 and stats["version"] == 1.0 and stats["mini_batches_applied"] == 2
     assert stats["num_loss_tokens"] == batch.num_loss_tokens
     assert stats["behav_prox_gap"] > 0 and stats["entropy"] > 0 and stats["tokens_per_s"] > 0
+    # What the objective did (#34): θ moved away from π_prox after the first mini-batch, the
+    # advantage scale is that of the batch, and nothing was capped or dual-clipped here.
+    m = batch.loss_mask > 0
+    assert stats["adv_abs_mean"] == pytest.approx(batch.advantages[m].abs().mean().item(), rel=1e-5)
+    assert stats["adv_zero_frac"] == pytest.approx((batch.advantages[m] == 0).float().mean().item())
+    assert stats["theta_prox_gap"] > 0 and stats["theta_behav_gap"] > 0
+    assert stats["behav_cut_frac"] == stats["behav_capped"] / stats["num_loss_tokens"]
+    assert stats["dual_clip_frac"] == 0.0
     assert engine.optimizer.state[next(iter(engine._module.parameters()))]["step"].item() == 2
     after = _weights(engine)
     assert any(not torch.equal(before[n], after[n]) for n in before)
