@@ -17,10 +17,7 @@ from code_shape import MAX_ATTRIBUTES, MAX_LINES, measure  # noqa: E402
 OVER_ATTRIBUTES: dict[str, int] = {
     # "path:Class": attributes on 2026-11-26; #32 item 3 splits the controllers' policies out.
     "areal_like/orchestration/rollout_controller.py:RolloutController": 43,
-    "areal_like/plan/sim.py:_Sim": 37,
     "areal_like/core/types.py:RolloutCounters": 31,  # a flat wire record of counters
-    "rollout_cluster/engine/vllm_engine.py:VLLMEngine": 24,
-    "weight_sync/dist.py:DistWeightSender": 24,
     "areal_like/core/metrics.py:MetricsRegistry": 23,
     "areal_like/plan/sim.py:SimResult": 23,  # a flat result record
     "areal_like/orchestration/trainer_side.py:TrainerSide": 21,

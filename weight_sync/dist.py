@@ -191,6 +191,119 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Membership:
+    """The sender's view of who is in the weight group, and the rules that decide it.
+
+    It reads the join and leave logs receivers append to on the store and each transfer's
+    ready list, and decides the members of the next transfer (docs/design.md §9.15):
+    known receivers that are not ready in time are left out, ready newcomers are taken,
+    ranks stay stable, a member whose incarnation changed has restarted. It changes with
+    the membership protocol; how the bytes travel is `DistWeightSender`'s.
+    """
+
+    def __init__(self, ctl: dist.Store, timeout_s: float) -> None:
+        self.ctl: dist.Store | None = ctl
+        """The store's control prefix (None once the sender is closed)."""
+        self.timeout_s = timeout_s
+        self.members: list[str] = []
+        """The current generation's members, in rank order."""
+        self.known: list[str] = []
+        """Receivers expected at the next transfer: current members and new registrations."""
+        self.incarnations: dict[str, str] = {}
+        """Member id -> the receiver object's random id; a change means the engine restarted."""
+        self.had_receivers = False
+        self.forget_now = threading.Event()
+        """Set by `forget_receivers`: the current wait for receivers ends at once."""
+        self.first_receivers_s = min(5.0, self.timeout_s)
+        """How long a sender that never had a receiver waits for the first ones to join
+        and be ready (a resumed trainer's first version), instead of sending to nobody."""
+        self.joins_seen = 0
+        self.leaves_seen = 0
+
+    def gather(self, seq: int) -> tuple[list[str], list[str]]:
+        """Wait (≤ timeout_s) for the known receivers to be ready; decide who is in.
+        Returns the members and those of them that restarted (the group must be rebuilt).
+
+        Known receivers (current members and earlier registrations) that are not ready
+        by the deadline are dropped: dead, or too slow (they get NotAMemberError and
+        re-register). Receivers that registered during the wait are not waited for
+        (they may have connected after this meta went out) but are taken if ready.
+        New members come after existing ones, so ranks stay stable.
+        """
+        assert self.ctl is not None
+        ctl = self.ctl
+        deadline = time.monotonic() + self.timeout_s
+        self.read_registrations()
+        ready: dict[str, str] = {}  # receiver id -> incarnation
+
+        def read_ready() -> None:
+            n = ctl.add(f"x{seq}/ready/n", 0)
+            for i in range(len(ready) + 1, n + 1):
+                rid, _, incarnation = ctl.get(f"x{seq}/ready/{i}").decode().partition(" ")
+                ready[rid] = incarnation
+
+        first = not self.known and not self.had_receivers
+        if first:
+            # A sender that never had a receiver (a trainer just started or resumed, whose
+            # store the rollout side learns from this very announcement): give receivers a
+            # moment to join and be ready, rather than send to nobody and leave them
+            # waiting, NotAMemberError, for the next version.
+            def joined_and_ready() -> bool:
+                self.read_registrations()
+                read_ready()
+                return bool(self.known) and set(self.known) <= ready.keys()
+
+            _poll(lambda: joined_and_ready() or self.forget_now.is_set(),
+                  min(deadline, time.monotonic() + self.first_receivers_s))
+        # After that grace, a first transfer goes to whoever is ready: one that joined but
+        # missed this announcement (a subscriber that connected late) is fed the next
+        # version; waiting timeout_s for it held the trainer's next send for that long.
+        waited_for = set(ready) if first else set(self.known)
+
+        def all_known_ready() -> bool:
+            waited_for.difference_update(self.read_registrations())  # one that left is not waited for
+            read_ready()
+            return waited_for <= ready.keys()
+
+        if not _poll(lambda: all_known_ready() or self.forget_now.is_set(), deadline) \
+                or self.forget_now.is_set():
+            missing = sorted(waited_for - ready.keys())
+            if missing and not self.forget_now.is_set():
+                log.warning(
+                    "weight receivers %s not ready within %.1fs; leaving them out", missing, self.timeout_s
+                )
+            self.known = [r for r in self.known if r not in missing]
+            self.forget_now.clear()
+        members = [r for r in self.members if r in ready]
+        members += [r for r in ready if r not in members]
+        restarted = [r for r in members if self.incarnations.get(r, ready[r]) != ready[r]]
+        self.incarnations = {r: ready[r] for r in members}
+        self.had_receivers |= bool(members)
+        return members, restarted
+
+    def read_registrations(self) -> set[str]:
+        """Apply the join and leave logs receivers append to (the store cannot list keys);
+        returns who left since the last read."""
+        assert self.ctl is not None
+        left: set[str] = set()
+        n = self.ctl.add("join/n", 0)
+        for i in range(self.joins_seen + 1, n + 1):
+            rid = self.ctl.get(f"join/{i}").decode()
+            if rid not in self.known:
+                self.known.append(rid)
+        self.joins_seen = n
+        n = self.ctl.add("leave/n", 0)
+        for i in range(self.leaves_seen + 1, n + 1):
+            server = self.ctl.get(f"leave/{i}").decode()
+            # A server leaves by its name; a vLLM server's workers are members of their
+            # own, `{name}-w{rank}`: they leave with it.
+            gone = {r for r in self.known if r == server or _worker_of(r, server)} | {server}
+            left |= gone
+            self.known = [r for r in self.known if r not in gone]
+        self.leaves_seen = n
+        return left
+
+
 class DistWeightSender(WeightSender):
     """Trainer rank 0. Hosts the store and broadcasts each version to the current group.
 
@@ -224,19 +337,7 @@ class DistWeightSender(WeightSender):
         self._seq = 0
         self._generation = 0
         self._group: Any = None
-        self._members: list[str] = []
-        self._known: list[str] = []
-        """Receivers expected at the next transfer: current members and new registrations."""
-        self._incarnations: dict[str, str] = {}
-        """Member id -> the receiver object's random id; a change means the engine restarted."""
-        self._had_receivers = False
-        self._forget_now = threading.Event()
-        """Set by `forget_receivers`: the current wait for receivers ends at once."""
-        self.first_receivers_s = min(5.0, self.timeout_s)
-        """How long a sender that never had a receiver waits for the first ones to join
-        and be ready (a resumed trainer's first version), instead of sending to nobody."""
-        self._joins_seen = 0
-        self._leaves_seen = 0
+        self._membership = _Membership(self._ctl, self.timeout_s)
         self._layout: FlatLayout | None = None
         self._staging: torch.Tensor | None = None
         self._thread: threading.Thread | None = None
@@ -300,15 +401,17 @@ class DistWeightSender(WeightSender):
         """
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
 
+        membership = self._membership
+
         def enough() -> bool:
-            self._read_registrations()
-            return len(self._known) >= n
+            membership.read_registrations()
+            return len(membership.known) >= n
 
         if not _poll(enough, deadline):
             raise WeightSyncError(
-                f"only {len(self._known)} of {n} weight receivers registered: {self._known}"
+                f"only {len(membership.known)} of {n} weight receivers registered: {membership.known}"
             )
-        return list(self._known)
+        return list(membership.known)
 
     def _join_previous(self) -> None:
         """The staging buffer and the group are reused: the previous transfer must be over.
@@ -328,16 +431,16 @@ class DistWeightSender(WeightSender):
             members = self._gather_members(seq)
             if not members:
                 self._drop_group()
-                self._members = []
+                self._membership.members = []
                 self._publish_plan(seq, {"generation": self._generation, "members": []})
                 stats.ok = True
                 log.info("weights v%d: no receiver in the weight group, nothing sent", meta.version)
                 return
             broken = self._group is not None and self._ctl.add(f"gen{self._generation}/broken", 0) > 0
-            if members != self._members or self._group is None or broken:
+            if members != self._membership.members or self._group is None or broken:
                 self._drop_group()
                 self._generation += 1
-                self._members = members
+                self._membership.members = members
             stats.generation, stats.receivers = self._generation, list(members)
             self._publish_plan(seq, {"generation": self._generation, "members": members, "device": self.device.type})
             if self._group is None:
@@ -390,7 +493,7 @@ class DistWeightSender(WeightSender):
     def forget_receivers(self) -> None:
         """End the current wait for receivers at once (they are gone); the transfer goes
         to whoever is ready, and the ones left out re-register if they come back."""
-        self._forget_now.set()
+        self._membership.forget_now.set()
 
     def _publish_plan(self, seq: int, plan: dict[str, Any]) -> None:
         """The plan of transfer `seq`, then `latest` = seq: a receiver still waiting on an
@@ -399,86 +502,13 @@ class DistWeightSender(WeightSender):
         self._ctl.set("latest", str(seq))
 
     def _gather_members(self, seq: int) -> list[str]:
-        """Wait (≤ timeout_s) for the known receivers to be ready; decide who is in.
-
-        Known receivers (current members and earlier registrations) that are not ready
-        by the deadline are dropped: dead, or too slow (they get NotAMemberError and
-        re-register). Receivers that registered during the wait are not waited for
-        (they may have connected after this meta went out) but are taken if ready.
-        New members come after existing ones, so ranks stay stable.
-        """
-        deadline = time.monotonic() + self.timeout_s
-        self._read_registrations()
-        ready: dict[str, str] = {}  # receiver id -> incarnation
-
-        def read_ready() -> None:
-            n = self._ctl.add(f"x{seq}/ready/n", 0)
-            for i in range(len(ready) + 1, n + 1):
-                rid, _, incarnation = self._ctl.get(f"x{seq}/ready/{i}").decode().partition(" ")
-                ready[rid] = incarnation
-
-        first = not self._known and not self._had_receivers
-        if first:
-            # A sender that never had a receiver (a trainer just started or resumed, whose
-            # store the rollout side learns from this very announcement): give receivers a
-            # moment to join and be ready, rather than send to nobody and leave them
-            # waiting, NotAMemberError, for the next version.
-            def joined_and_ready() -> bool:
-                self._read_registrations()
-                read_ready()
-                return bool(self._known) and set(self._known) <= ready.keys()
-
-            _poll(lambda: joined_and_ready() or self._forget_now.is_set(),
-                  min(deadline, time.monotonic() + self.first_receivers_s))
-        # After that grace, a first transfer goes to whoever is ready: one that joined but
-        # missed this announcement (a subscriber that connected late) is fed the next
-        # version; waiting timeout_s for it held the trainer's next send for that long.
-        waited_for = set(ready) if first else set(self._known)
-
-        def all_known_ready() -> bool:
-            waited_for.difference_update(self._read_registrations())  # one that left is not waited for
-            read_ready()
-            return waited_for <= ready.keys()
-
-        if not _poll(lambda: all_known_ready() or self._forget_now.is_set(), deadline) \
-                or self._forget_now.is_set():
-            missing = sorted(waited_for - ready.keys())
-            if missing and not self._forget_now.is_set():
-                log.warning(
-                    "weight receivers %s not ready within %.1fs; leaving them out", missing, self.timeout_s
-                )
-            self._known = [r for r in self._known if r not in missing]
-            self._forget_now.clear()
-        members = [r for r in self._members if r in ready]
-        members += [r for r in ready if r not in members]
-        restarted = [r for r in members if self._incarnations.get(r, ready[r]) != ready[r]]
+        """The members of transfer `seq` (`_Membership.gather`); a restarted member's
+        group is torn down, to be rebuilt."""
+        members, restarted = self._membership.gather(seq)
         if restarted:
             log.info("weight receivers %s restarted; the group will be rebuilt", restarted)
             self._drop_group()
-        self._incarnations = {r: ready[r] for r in members}
-        self._had_receivers |= bool(members)
         return members
-
-    def _read_registrations(self) -> set[str]:
-        """Apply the join and leave logs receivers append to (the store cannot list keys);
-        returns who left since the last read."""
-        left: set[str] = set()
-        n = self._ctl.add("join/n", 0)
-        for i in range(self._joins_seen + 1, n + 1):
-            rid = self._ctl.get(f"join/{i}").decode()
-            if rid not in self._known:
-                self._known.append(rid)
-        self._joins_seen = n
-        n = self._ctl.add("leave/n", 0)
-        for i in range(self._leaves_seen + 1, n + 1):
-            server = self._ctl.get(f"leave/{i}").decode()
-            # A server leaves by its name; a vLLM server's workers are members of their
-            # own, `{name}-w{rank}`: they leave with it.
-            gone = {r for r in self._known if r == server or _worker_of(r, server)} | {server}
-            left |= gone
-            self._known = [r for r in self._known if r not in gone]
-        self._leaves_seen = n
-        return left
 
     def _broadcast(self, meta: WeightUpdateMeta, seq: int) -> int:
         """Send header and buckets; return how many receivers accepted the version."""
@@ -523,7 +553,7 @@ class DistWeightSender(WeightSender):
         finally:
             self._drop_group()
             self._closed = True
-            self._ctl = self._store = None  # type: ignore[assignment]
+            self._ctl = self._store = self._membership.ctl = None  # type: ignore[assignment]
 
 
 def _worker_of(receiver_id: str, server: str) -> bool:

@@ -169,11 +169,123 @@ class SimResult:
         }
 
 
+# ---- the simulation's collaborators ----------------------------------------------------------
+
+
+class _Clock:
+    """The simulated clock: a heap of timed events, popped in time order (ties: push order)."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.now = 0.0
+
+    def push(self, t: float, kind: str, data: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, data))
+
+    def pop(self) -> tuple[float, str, Any]:
+        """The next event; the clock moves to its time."""
+        t, _, kind, data = heapq.heappop(self.heap)
+        self.now = t
+        return t, kind, data
+
+    def __bool__(self) -> bool:
+        return bool(self.heap)
+
+
+class _Trainer:
+    """The trainer in the simulation: the step it runs (re-planned as CPU contention
+    changes), the version it has trained, and its time line (step ends, phases, busy)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.training = False
+        """From popping a batch until the weights reach the servers."""
+        self.in_compute = False
+        """During the train step itself (not the broadcast after it)."""
+        self.groups: list[TrajectoryGroup] = []
+        self.started = 0.0
+        self.left = 0.0
+        """Seconds of the step still to compute at full speed, as of `planned_at`."""
+        self.planned_at = 0.0
+        self.factor = 0.0
+        """The contention the running step was last planned at (0: not planned yet)."""
+        self.gen = 0
+        """Bumped at every re-plan: older `train_done` events are stale."""
+        self.step_times: list[float] = []
+        """When each version reached the servers."""
+        self.phases: list[float] = []
+        """Per step: train + broadcast seconds."""
+        self.busy_s = 0.0
+
+    def start(self, groups: list[TrajectoryGroup], seconds: float, now: float) -> None:
+        self.training = self.in_compute = True
+        self.left = seconds
+        self.started = now
+        self.groups = groups
+        self.factor = 0.0
+
+    def replan(self, now: float, factor: float) -> float | None:
+        """(Re)plan the end of the running step at contention `factor`: what was done since
+        the last plan is credited at the old rate. Returns the new end, or None when the
+        rate did not change."""
+        if factor == self.factor:
+            return None
+        if self.factor:
+            self.left -= (now - self.planned_at) / self.factor
+        self.planned_at, self.factor = now, factor
+        self.gen += 1
+        return now + max(0.0, self.left) * factor
+
+    def is_current(self, gen: int) -> bool:
+        """Whether a `train_done` event of re-plan `gen` ends the running step."""
+        return gen == self.gen and self.in_compute
+
+    def finish(self, now: float, sync_s: float) -> list[TrajectoryGroup]:
+        """The step ends now and its broadcast takes `sync_s`; returns the trained groups."""
+        dt = now - self.started
+        self.busy_s += dt
+        self.phases.append(dt + sync_s)
+        self.in_compute = False
+        self.version += 1
+        self.step_times.append(now + sync_s)
+        self.busy_s += sync_s
+        return self.groups
+
+
+class _RunCounters:
+    """What the run counts for its result: interrupts, recomputed and generated tokens,
+    and the time-weighted straggler wait and overlap between two events."""
+
+    def __init__(self) -> None:
+        self.interrupts = 0
+        self.recomputed = 0
+        self.generated = 0
+        self.straggler_s = 0.0
+        self.overlap_s = 0.0
+        self.last_t = 0.0
+
+    def integrate(self, t: float, servers: list[_Server], trainer: _Trainer) -> None:
+        """Time-weighted counters between two events (straggler wait, overlap)."""
+        dt = t - self.last_t
+        self.last_t = t
+        if dt <= 0:
+            return
+        decoding = sum(1 for s in servers if s.running and s.decode_from < t)
+        if not trainer.training:
+            self.straggler_s += dt * (1 - decoding / len(servers))
+        elif trainer.in_compute and decoding:
+            self.overlap_s += dt
+
+
 # ---- the simulation -------------------------------------------------------------------------
 
 
 class _Sim:
-    """State of one run; `run()` is the event loop, read top to bottom."""
+    """One run: the rollout side (servers, episodes, the real gate and buffer) driven by
+    `run()`, the event loop, read top to bottom, with the clock, the trainer and the
+    run's counters as collaborators."""
 
     def __init__(self, cfg: ExperimentConfig, costs: CostModel, split: Split, eta: int, steps: int,
                  seed: int, nodes: int) -> None:
@@ -189,26 +301,11 @@ class _Sim:
         self.turns = max(1, min(costs.episode.turns, cfg.agent.max_assistant_turns))
         cross = nodes > 1 or split.rollout_devices + split.train_devices > costs.devices_per_node
         self.sync_s = broadcast_s(costs, cross)
-        self.heap: list[tuple[float, int, str, Any]] = []
-        self.seq = 0
-        self.now = 0.0
+        self.clock = _Clock()
+        self.trainer = _Trainer()
+        self.counts = _RunCounters()
         self.started = 0
         self.groups = 0
-        self.version = 0
-        self.training = False
-        self.step_times: list[float] = []
-        self.train_phases: list[float] = []
-        self.trainer_busy_s = 0.0
-        self.train_left = self.train_from = self.train_started = self.train_factor = 0.0
-        self.train_gen = 0
-        self.train_groups: list[TrajectoryGroup] = []
-        self.last_t = 0.0
-        self.straggler_s = 0.0
-        self.overlap_s = 0.0
-        self.in_train_compute = False
-        self.interrupts = 0
-        self.recomputed = 0
-        self.generated = 0
 
     def contention(self) -> float:
         """How much slower compute runs now because busy threads outnumber the shared
@@ -220,20 +317,14 @@ class _Sim:
         b = self.cfg.train.backend
         ranks = b.tensor_parallel_size * b.data_parallel_size if b.type == "megatron" else b.world_size
         busy = sum(1 for s in self.servers if s.running) * self.cfg.rollout.server_threads
-        busy += b.threads * ranks if self.in_train_compute else 0
+        busy += b.threads * ranks if self.trainer.in_compute else 0
         return max(1.0, busy / cores)
-
-    # -- event plumbing
-    def push(self, t: float, kind: str, data: Any = None) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, data))
 
     def run(self) -> None:
         self.admit_groups()
-        while self.version < self.steps and self.heap:
-            t, _, kind, data = heapq.heappop(self.heap)
-            self.integrate(t)
-            self.now = t
+        while self.trainer.version < self.steps and self.clock:
+            t, kind, data = self.clock.pop()
+            self.counts.integrate(t, self.servers, self.trainer)
             if kind == "server":
                 sid, gen = data
                 if gen == self.servers[sid].gen:
@@ -248,20 +339,8 @@ class _Sim:
                 self.gate.set_loaded_version(data)
             self.admit_groups()
             self.try_train()
-            if self.in_train_compute and self.costs.shared_cores is not None:
+            if self.trainer.in_compute and self.costs.shared_cores is not None:
                 self.retime_train()
-
-    def integrate(self, t: float) -> None:
-        """Time-weighted counters between two events (straggler wait, overlap)."""
-        dt = t - self.last_t
-        self.last_t = t
-        if dt <= 0:
-            return
-        decoding = sum(1 for s in self.servers if s.running and s.decode_from < t)
-        if not self.training:
-            self.straggler_s += dt * (1 - decoding / len(self.servers))
-        elif self.in_train_compute and decoding:
-            self.overlap_s += dt
 
     # -- rollout side: the gate admits whole groups
     def admit_groups(self) -> None:
@@ -301,7 +380,7 @@ class _Sim:
         """Credit the decode iterations done since the last replan."""
         if not s.running or s.iter_s <= 0:
             return
-        dt = self.now - s.decode_from
+        dt = self.clock.now - s.decode_from
         if dt <= 0:
             return
         k = min(dt / s.iter_s, min(r.remaining for r in s.running))
@@ -310,7 +389,7 @@ class _Sim:
             r.episode.context += k
         s.decode_s += k * s.iter_s
         s.busy_s += k * s.iter_s
-        s.decode_from = self.now
+        s.decode_from = self.clock.now
 
     def service(self, s: _Server) -> None:
         self.advance(s)
@@ -332,7 +411,7 @@ class _Sim:
                 r.episode.head_version = s.version  # the first token is sampled at this version
         if prefill:
             pause = prefill / d.prefill_tokens_per_s
-            s.decode_from = max(s.decode_from, self.now) + pause
+            s.decode_from = max(s.decode_from, self.clock.now) + pause
             s.busy_s += pause
         self.replan(s)
 
@@ -346,19 +425,19 @@ class _Sim:
         n = len(s.running)
         ctx = sum(r.episode.context for r in s.running) + n * m / 2  # mid-segment context
         s.iter_s = (d.base_s + d.per_seq_s * n + d.per_context_token_s * ctx) * self.contention()
-        s.decode_from = max(s.decode_from, self.now)
-        self.push(s.decode_from + m * s.iter_s, "server", (s.sid, s.gen))
+        s.decode_from = max(s.decode_from, self.clock.now)
+        self.clock.push(s.decode_from + m * s.iter_s, "server", (s.sid, s.gen))
 
     def finish_turn(self, r: _Req) -> None:
         ep = r.episode
         n = ep.turn_lengths[ep.turn]
         ep.tokens += n
-        self.generated += n
+        self.counts.generated += n
         ep.turn += 1
         if ep.turn < len(ep.turn_lengths):
             e = self.costs.episode
             lat = e.tool_latency_s * math.exp(e.tool_latency_sigma * self.rng.gauss(0.0, 1.0)) if e.tool_latency_s else 0
-            self.push(self.now + lat, "tool_done", ep)
+            self.clock.push(self.clock.now + lat, "tool_done", ep)
             return
         g = ep.group
         g.done += 1
@@ -381,45 +460,28 @@ class _Sim:
 
     # -- trainer side
     def try_train(self) -> None:
-        if self.training:
+        if self.trainer.training:
             return
-        groups = self.buffer.pop_batch(self.version, self.cfg.train.batch_size)
+        groups = self.buffer.pop_batch(self.trainer.version, self.cfg.train.batch_size)
         if groups is None:
             return
         tokens = int(sum(t.metrics["tokens"] for g in groups for t in g.trajectories))
-        self.training = self.in_train_compute = True
-        self.train_left = train_step_s(self.costs, tokens, self.split.train_devices)
-        self.train_started = self.now
-        self.train_groups = groups
-        self.train_factor = 0.0
+        self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now)
         self.retime_train()
 
     def retime_train(self) -> None:
-        """(Re)plan the end of the running train step at the contention of now: what was
-        done since the last plan is credited at the old rate."""
-        f = self.contention()
-        if f == self.train_factor:
-            return
-        if self.train_factor:
-            self.train_left -= (self.now - self.train_from) / self.train_factor
-        self.train_from, self.train_factor = self.now, f
-        self.train_gen += 1
-        self.push(self.now + max(0.0, self.train_left) * f, "train_done", self.train_gen)
+        """(Re)plan the end of the running train step at the contention of now."""
+        end = self.trainer.replan(self.clock.now, self.contention())
+        if end is not None:
+            self.clock.push(end, "train_done", self.trainer.gen)
 
     def on_train_done(self, gen: int) -> None:
-        if gen != self.train_gen or not self.in_train_compute:
+        if not self.trainer.is_current(gen):
             return  # re-planned since
-        groups = self.train_groups
-        dt = self.now - self.train_started
-        self.trainer_busy_s += dt
-        self.train_phases.append(dt + self.sync_s)
-        self.in_train_compute = False
+        groups = self.trainer.finish(self.clock.now, self.sync_s)
         self.buffer.mark_trained(groups)
-        self.version += 1
-        self.step_times.append(self.now + self.sync_s)
-        self.trainer_busy_s += self.sync_s
         self.announce()
-        self.push(self.now + self.sync_s, "weights_sent", self.version)
+        self.clock.push(self.clock.now + self.sync_s, "weights_sent", self.trainer.version)
 
     def announce(self) -> None:
         """The trainer's cumulative counts reach the gate (drops free capacity)."""
@@ -427,37 +489,38 @@ class _Sim:
 
     def on_weights_delivered(self, version: int) -> None:
         """Every server applies the version: pause, and under recompute re-prefill in-flight contexts."""
-        self.training = False
+        self.trainer.training = False
         d, mode = self.costs.decode, self.cfg.rollout.interrupt_mode
-        done_at = self.now
+        now = self.clock.now
+        done_at = now
         for s in self.servers:
             self.advance(s)
             pause = d.weight_load_s
             if s.running and mode != "wait":
-                self.interrupts += len(s.running)
+                self.counts.interrupts += len(s.running)
                 if mode == "recompute":
                     ctx = int(sum(r.episode.context for r in s.running))
-                    self.recomputed += ctx
+                    self.counts.recomputed += ctx
                     pause += ctx / d.prefill_tokens_per_s
             elif s.running:  # wait: let the batch drain first (approximated by its longest remaining)
                 pause += max(r.remaining for r in s.running) * max(s.iter_s, d.base_s)
             s.version = version
-            s.decode_from = max(s.decode_from, self.now) + pause
+            s.decode_from = max(s.decode_from, now) + pause
             s.busy_s += pause
             done_at = max(done_at, s.decode_from)
             self.replan(s)
-        self.push(done_at, "weights_loaded", version)
+        self.clock.push(done_at, "weights_loaded", version)
 
     # -- results
     def result(self, warmup_steps: int) -> SimResult:
-        st = self.step_times
+        st = self.trainer.step_times
         w = min(warmup_steps, max(0, len(st) - 2))
         t0 = st[w - 1] if w > 0 else 0.0
         span = max(st[-1] - t0, 1e-12) if st else 1e-12
         trained_after = (len(st) - w) * self.B
-        wall = st[-1] if st else self.now
+        wall = st[-1] if st else self.clock.now
         gaps = [b - a for a, b in zip([t0, *st[w:]], st[w:], strict=False)]
-        phases = self.train_phases[w: w + len(gaps)]
+        phases = self.trainer.phases[w: w + len(gaps)]
         rollouts = [max(0.0, g - p) for g, p in zip(gaps, phases, strict=False)]
         lags = self.buffer.lag_history
         hist: dict[int, int] = {}
@@ -467,18 +530,19 @@ class _Sim:
         busy = sum(min(s.busy_s, wall) for s in self.servers)
         summary = self.buffer.summary(self.started, cancelled=self.gate.s.running)
         trained = max(1, summary["trained"])
+        c = self.counts
         return SimResult(
             eta=self.eta, split=self.split, servers=len(self.servers), steps=len(st),
             samples_per_s=trained_after / span, step_s=span / max(1, len(st) - w),
-            trainer_idle_ratio=max(0.0, 1 - self.trainer_busy_s / max(wall, 1e-12)),
+            trainer_idle_ratio=max(0.0, 1 - self.trainer.busy_s / max(wall, 1e-12)),
             rollout_idle_ratio=max(0.0, 1 - busy / max(wall * len(self.servers), 1e-12)),
             lag_hist=dict(sorted(hist.items())), max_lag=max(lags, default=0),
             mean_lag=sum(k * v for k, v in hist.items()) / n_lag,
-            interrupts_per_sample=self.interrupts / trained,
-            recompute_tokens_per_sample=self.recomputed / trained,
-            recompute_share=self.recomputed / max(1, self.generated),
-            straggler_wait_s_per_step=self.straggler_s / max(1, len(st)),
-            overlap_s=self.overlap_s, train_phase_s=_median(phases), rollout_phase_s=_median(rollouts),
+            interrupts_per_sample=c.interrupts / trained,
+            recompute_tokens_per_sample=c.recomputed / trained,
+            recompute_share=c.recomputed / max(1, c.generated),
+            straggler_wait_s_per_step=c.straggler_s / max(1, len(st)),
+            overlap_s=c.overlap_s, train_phase_s=_median(phases), rollout_phase_s=_median(rollouts),
             weight_sync_s=self.sync_s, outcomes=summary, counts_add_up=TrajectoryBuffer.counts_add_up(summary),
             wall_s=wall, gate_refusals=self.gate.s.rejected_at_gate,
         )

@@ -126,6 +126,43 @@ class _Call:
     """A vLLM request of this call may be live (from submission until its stream closes)."""
 
 
+@dataclass
+class _ServedWeights:
+    """The weights the engine serves (version, trainer epoch) and what an update must match
+    to be loaded (the checkpoint's names and shapes): changes with the weight-update rules."""
+
+    schema: dict[str, list[int]] | None  # the checkpoint's names and shapes (None: not checked)
+    tied: bool  # the LM head is tied to the embeddings (an update may leave it out)
+    version: int = 0
+    epoch: int = 0
+    """The trainer epoch of the loaded weights (a resumed trainer's lower numbers load)."""
+
+    def check(self, named_shapes: Iterable[tuple[str, list[int]]]) -> None:
+        """Refuse (ValueError) an update with names or shapes the model does not have."""
+        if self.schema is not None:
+            check_update(named_shapes, self.schema, tied=self.tied)
+
+    def is_newer(self, meta: WeightUpdateMeta) -> bool:
+        """Whether `meta` names weights to load over the ones served (`newer_weights`)."""
+        from weight_sync.meta import newer_weights
+        return newer_weights(meta, self.epoch, self.version)
+
+
+@dataclass(frozen=True)
+class _RequestTypes:
+    """vLLM's request types, imported when the engine is built (vLLM is optional): a
+    token prompt and its sampling params, streamed as deltas. Changes with vLLM's API."""
+
+    sampling_params: Any
+    tokens_prompt: Any
+    delta: Any
+
+    def request(self, prompt: list[int], sampling_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """`(prompt, sampling params)` for `AsyncLLM.generate`."""
+        sampling = self.sampling_params(**sampling_kwargs, output_kind=self.delta)
+        return self.tokens_prompt(prompt_token_ids=prompt), sampling
+
+
 _unseeded_noted = False
 
 
@@ -170,12 +207,9 @@ class VLLMEngine(AsyncGenerateEngine):
             )
             kwargs["max_model_len"] = limit
         self.max_seq_len = int(kwargs["max_model_len"])
-        self._schema = checkpoint_schema(model_path)
-        self._tied = tied_embeddings(model_path)
+        self._weights = _ServedWeights(checkpoint_schema(model_path), tied_embeddings(model_path))
         args = construct_args(AsyncEngineArgs, kwargs)
-        self._VSamplingParams = VSamplingParams
-        self._TokensPrompt = TokensPrompt
-        self._delta = RequestOutputKind.DELTA
+        self._requests = _RequestTypes(VSamplingParams, TokensPrompt, RequestOutputKind.DELTA)
         self._stats = VLLMStats()
         self._errors = ErrorLog()
         with self._errors:
@@ -195,9 +229,6 @@ class VLLMEngine(AsyncGenerateEngine):
                     "episodes are not reproducible"
                 )
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
-        self._version = 0
-        self._weights_epoch = 0
-        """The trainer epoch of the loaded weights (a resumed trainer's lower numbers load)."""
         self._open = asyncio.Event()
         self._open.set()
         self._lock = asyncio.Lock()
@@ -210,7 +241,7 @@ class VLLMEngine(AsyncGenerateEngine):
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._weights.version
 
     async def submit(self, request: EngineRequest) -> GenerateResult:
         """One response for a validated request; on a weight update the request is
@@ -269,10 +300,9 @@ class VLLMEngine(AsyncGenerateEngine):
                 self.counters.recompute_tokens += len(prompt)
             call.attempt += 1
             call.sub_id = f"{call.request_id}#{call.attempt}"
-            version = self._version
+            version = self._weights.version
             reason: StopReason | None = None
-            sampling = self._VSamplingParams(**kw, output_kind=self._delta)
-            stream = self._llm.generate(self._TokensPrompt(prompt_token_ids=prompt), sampling, call.sub_id)
+            stream = self._llm.generate(*self._requests.request(prompt, kw), call.sub_id)
             call.streaming = True
             try:
                 async for out in stream:
@@ -283,7 +313,7 @@ class VLLMEngine(AsyncGenerateEngine):
                         # `keep` freezes requests with their KV and continues them under the
                         # new weights: their later tokens belong to the version now loaded.
                         call.versions.extend(
-                            [self._version if self.interrupt_mode == "keep" else version] * len(ids)
+                            [self._weights.version if self.interrupt_mode == "keep" else version] * len(ids)
                         )
                         self.counters.generated_tokens += len(ids)
                     if call.aborted:
@@ -310,8 +340,7 @@ class VLLMEngine(AsyncGenerateEngine):
         Names and shapes are checked against the checkpoint first; a refused update
         (ValueError) pauses nothing and leaves the engine on its current version."""
         packed = pack_tensors(named_tensors)
-        if self._schema is not None:
-            check_update(((n, s) for n, _, s, _ in packed), self._schema, tied=self._tied)
+        self._weights.check((n, s) for n, _, s, _ in packed)
 
         async def load() -> None:
             await self._guard(self._llm.collective_rpc("areal_load_weights", args=(packed,)))
@@ -348,7 +377,7 @@ class VLLMEngine(AsyncGenerateEngine):
         names or shapes this model does not have) raises `WeightSyncError`
         (`NotAMemberError` when no worker was in the group) and leaves the engine
         serving its old version; only then is nothing loaded on any worker."""
-        from weight_sync.meta import NotAMemberError, WeightSyncError, newer_weights
+        from weight_sync.meta import NotAMemberError, WeightSyncError
 
         version = int(meta.version)
         args = (meta.model_dump(mode="json"), rendezvous or "", name, float(timeout_s))
@@ -360,13 +389,13 @@ class VLLMEngine(AsyncGenerateEngine):
                 await self._guard(self._llm.collective_rpc("areal_drop_received"))
                 cls = NotAMemberError if all(r.get("not_a_member") for r in failed) else WeightSyncError
                 raise cls(
-                    f"weights v{version} not received, the engine keeps v{self._version}: "
+                    f"weights v{version} not received, the engine keeps v{self._weights.version}: "
                     + "; ".join(f"{r['member']}: {r['error']}" for r in failed)
                 )
 
-        if self._schema is not None:
+        if self._weights.schema is not None:
             try:
-                check_update(((m.name, m.shape) for m in meta.tensors), self._schema, tied=self._tied)
+                self._weights.check((m.name, m.shape) for m in meta.tensors)
             except ValueError as e:
                 # Still take part in the transfer, so the other members are not held up
                 # waiting for this engine; nothing is paused or loaded.
@@ -378,21 +407,21 @@ class VLLMEngine(AsyncGenerateEngine):
                     await self._guard(self._llm.collective_rpc("areal_drop_received"))
                 raise WeightSyncError(str(e)) from None
 
-        if not newer_weights(meta, self._weights_epoch, self._version):
+        if not self._weights.is_newer(meta):
             # A version this engine serves already, sent again for a restarted sibling:
             # take part in the transfer (every member must), load nothing, keep serving.
             try:
                 await receive()
             finally:
                 await self._guard(self._llm.collective_rpc("areal_drop_received"))
-            return self._version
+            return self._weights.version
 
         async def load() -> None:
             await receive()
             await self._guard(self._llm.collective_rpc("areal_load_received", args=(version,)))
 
         await self._swap(version, load)
-        self._weights_epoch = int(meta.epoch)
+        self._weights.epoch = int(meta.epoch)
         return version
 
     async def _swap(self, version: int, load: Callable[[], Awaitable[None]]) -> None:
@@ -419,7 +448,7 @@ class VLLMEngine(AsyncGenerateEngine):
                     for call in inflight:
                         call.interrupts += 1
                 await load()
-                self._version = int(version)
+                self._weights.version = int(version)
                 if self.interrupt_mode != "keep":
                     await self._guard(self._llm.reset_prefix_cache())
                 self.counters.weight_updates += 1
@@ -504,7 +533,7 @@ class VLLMEngine(AsyncGenerateEngine):
         """Engine counters, `running`, `version`; vLLM's scheduler gauges as `vllm_*` keys,
         and the engine-agnostic `kv_usage` / `queue_depth` filled from them."""
         m = self.counters.as_dict()
-        m.update(version=float(self._version), running=float(len(self._calls)))
+        m.update(version=float(self._weights.version), running=float(len(self._calls)))
         m.update(self._stats.as_metrics())
         m.update(kv_usage=float(self._stats.kv_cache_usage), queue_depth=float(self._stats.num_waiting))
         m["engine_dead"] = 1.0 if self._dead is not None else 0.0
