@@ -53,14 +53,14 @@ def test_predicts_recorded_async_vs_sync_within_15_percent(bench_setup):
 def test_gate_bounds_staleness_and_counts_add_up(bench_setup, eta):
     cfg, costs = bench_setup
     r = simulate(cfg, costs, Split(1, 1), eta, steps=14)
-    assert r.max_lag <= eta and max(r.lag_hist) <= eta
+    assert r.lag.max <= eta and max(r.lag.hist) <= eta
     assert r.counts_add_up
     o = r.outcomes
-    assert o["trained"] == 14 * cfg.samples_per_step == sum(r.lag_hist.values())
+    assert o["trained"] == 14 * cfg.samples_per_step == sum(r.lag.hist.values())
     assert o["started"] == sum(o[k] for k in ("trained", "over_stale", "filtered", "failed", "rejected",
                                               "skipped", "buffered", "cancelled"))
     if eta == 0:  # synchronous: no generation while the trainer computes, nothing ever stale
-        assert r.overlap_s == 0.0 and r.lag_hist == {0: o["trained"]} and o["over_stale"] == 0
+        assert r.overlap_s == 0.0 and r.lag.hist == {0: o["trained"]} and o["over_stale"] == 0
     else:
         assert r.overlap_s > 0
 

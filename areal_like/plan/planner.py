@@ -78,7 +78,7 @@ class PlanReport:
         return (f"best: {b.split.rollout_devices} rollout + {b.split.train_devices} train devices "
                 f"({b.servers} servers), η={b.eta}: {b.samples_per_s:.2f} samples/s, {b.step_s:.2f} s/step{cost}, "
                 f"trainer idle {b.trainer_idle_ratio:.0%}, rollout idle {b.rollout_idle_ratio:.0%}, "
-                f"mean lag {b.mean_lag:.2f}")
+                f"mean lag {b.lag.mean:.2f}")
 
 
 def pick_best(results: list[SimResult], max_staleness: int | None) -> SimResult | None:

@@ -36,7 +36,7 @@ from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import Trajectory, TrajectoryGroup
 from areal_like.plan.costs import CostModel, LengthDist
 
-__all__ = ["SimResult", "Split", "simulate", "sample_length", "train_step_s", "broadcast_s"]
+__all__ = ["SimInterrupts", "SimLag", "SimResult", "Split", "simulate", "sample_length", "train_step_s", "broadcast_s"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,27 @@ class _Server:
 
 
 @dataclass
+class SimLag:
+    """The version lag of the samples a simulated run trained on."""
+
+    hist: dict[int, int]
+    """Samples trained at each version lag (head version)."""
+    max: int
+    mean: float
+
+
+@dataclass
+class SimInterrupts:
+    """What weight updates cost in-flight generation in a simulated run."""
+
+    per_sample: float
+    """Interrupts per trained sample."""
+    recompute_tokens_per_sample: float
+    share: float
+    """Recomputed tokens / generated tokens."""
+
+
+@dataclass
 class SimResult:
     """What one simulated run gives; rates are after `warmup_steps` steps."""
 
@@ -136,14 +157,8 @@ class SimResult:
     step_s: float
     trainer_idle_ratio: float
     rollout_idle_ratio: float
-    lag_hist: dict[int, int]
-    """Samples trained at each version lag (head version)."""
-    max_lag: int
-    mean_lag: float
-    interrupts_per_sample: float
-    recompute_tokens_per_sample: float
-    recompute_share: float
-    """Recomputed tokens / generated tokens."""
+    lag: SimLag
+    interrupts: SimInterrupts
     straggler_wait_s_per_step: float
     """Trainer-waiting time during which rollout servers sat idle (waiting on tails or the gate), per step."""
     overlap_s: float
@@ -162,9 +177,9 @@ class SimResult:
             "eta": self.eta, "rollout_devices": self.split.rollout_devices, "train_devices": self.split.train_devices,
             "servers": self.servers, "samples_per_s": round(self.samples_per_s, 3), "step_s": round(self.step_s, 3),
             "trainer_idle": round(self.trainer_idle_ratio, 3), "rollout_idle": round(self.rollout_idle_ratio, 3),
-            "mean_lag": round(self.mean_lag, 2), "max_lag": self.max_lag,
-            "interrupts_per_sample": round(self.interrupts_per_sample, 3),
-            "recompute_share": round(self.recompute_share, 4),
+            "mean_lag": round(self.lag.mean, 2), "max_lag": self.lag.max,
+            "interrupts_per_sample": round(self.interrupts.per_sample, 3),
+            "recompute_share": round(self.interrupts.share, 4),
             "straggler_wait_s": round(self.straggler_wait_s_per_step, 3),
         }
 
@@ -536,11 +551,10 @@ class _Sim:
             samples_per_s=trained_after / span, step_s=span / max(1, len(st) - w),
             trainer_idle_ratio=max(0.0, 1 - self.trainer.busy_s / max(wall, 1e-12)),
             rollout_idle_ratio=max(0.0, 1 - busy / max(wall * len(self.servers), 1e-12)),
-            lag_hist=dict(sorted(hist.items())), max_lag=max(lags, default=0),
-            mean_lag=sum(k * v for k, v in hist.items()) / n_lag,
-            interrupts_per_sample=c.interrupts / trained,
-            recompute_tokens_per_sample=c.recomputed / trained,
-            recompute_share=c.recomputed / max(1, c.generated),
+            lag=SimLag(hist=dict(sorted(hist.items())), max=max(lags, default=0),
+                       mean=sum(k * v for k, v in hist.items()) / n_lag),
+            interrupts=SimInterrupts(per_sample=c.interrupts / trained, recompute_tokens_per_sample=c.recomputed / trained,
+                                     share=c.recomputed / max(1, c.generated)),
             straggler_wait_s_per_step=c.straggler_s / max(1, len(st)),
             overlap_s=c.overlap_s, train_phase_s=_median(phases), rollout_phase_s=_median(rollouts),
             weight_sync_s=self.sync_s, outcomes=summary, counts_add_up=TrajectoryBuffer.counts_add_up(summary),
