@@ -32,9 +32,9 @@ def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _trained_engine(tiny_model_dir: Path):
+    from tests.train.conftest import make_trajectories
     from train_cluster.batch import build_batch
     from train_cluster.torch_engine import TorchTrainEngine
-    from tests.train.conftest import make_trajectories
 
     cfg = TrainConfig(token_budget=48, lr=1e-2)
     engine = TorchTrainEngine(tiny_model_dir, cfg)
