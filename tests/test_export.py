@@ -42,6 +42,31 @@ def _trained_engine(tiny_model_dir: Path):
     return engine
 
 
+def test_the_writer_round_trips_every_dtype_and_shape_through_safetensors(tmp_path) -> None:
+    """The shards are written straight from the tensors' memory (not by safetensors'
+    `save_file`): safetensors reads back what went in, views and empty tensors included."""
+    from safetensors.torch import load_file
+
+    from areal_like.models.hf_folder import INDEX_FILE, write_hf_weights
+
+    base = torch.randn(6, 4)
+    ts = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "f16": torch.randn(2, 3).half(),
+          "scalar": torch.tensor(3), "empty": torch.zeros(0, 2), "bool": torch.tensor([True, False]),
+          "transposed": torch.randn(4, 4).t(), "i64": torch.arange(7), "view_a": base[:3], "view_b": base[3:]}
+    for sub, limit in (("one", 2**30), ("many", 40)):
+        write_hf_weights(tmp_path / sub, ts.items(), max_shard_bytes=limit)
+        got: dict[str, torch.Tensor] = {}
+        if sub == "one":
+            got = load_file(str(tmp_path / sub / "model.safetensors"))
+        else:
+            index = json.loads((tmp_path / sub / INDEX_FILE).read_text())
+            for f in sorted(set(index["weight_map"].values())):
+                got.update(load_file(str(tmp_path / sub / f)))
+        assert got.keys() == ts.keys()
+        for k, t in ts.items():
+            assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), (sub, k)
+
+
 def test_an_engine_exports_one_file_or_bounded_shards_that_transformers_loads(tiny_model_dir, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 

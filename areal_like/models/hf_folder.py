@@ -1,7 +1,8 @@
 """HF weight files written from a stream of `(name, tensor)` pairs, in bounded shards.
 
-`write_hf_weights(folder, named_tensors)` never holds more than one shard of CPU copies
-(`max_shard_bytes`, plus the tensor that overflows it): a train rank exports a 7B model
+`write_hf_weights(folder, named_tensors)` never holds more than one shard of CPU tensors
+(`max_shard_bytes`, plus the tensor that overflows it; on the CPU the trainer's own,
+elsewhere copies): a train rank exports a 7B model
 without a whole-model copy in its own memory, and nothing of it passes through the driver
 (which hands the rank only the folder's path). The layout is what
 `transformers.AutoModelForCausalLM.from_pretrained` reads:
@@ -35,13 +36,47 @@ def has_hf_weights(folder: str | os.PathLike[str]) -> bool:
     return (f / SINGLE_FILE).is_file() or (f / INDEX_FILE).is_file()
 
 
+def _dtype_codes() -> dict[Any, str]:
+    import torch
+
+    codes = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+    for attr, code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+        if hasattr(torch, attr):
+            codes[getattr(torch, attr)] = code
+    return codes
+
+
+def _save_shard(tensors: dict[str, Any], path: Path) -> None:
+    """One safetensors file written straight from the tensors' memory (safetensors'
+    `save_file` first makes a bytes copy of each: twice the shard at the peak). The format:
+    the header's length (u64, little-endian), the header (JSON: dtype, shape and byte range
+    of each tensor, padded with spaces to 8 bytes), then the tensors' bytes in order."""
+    import torch
+
+    codes = _dtype_codes()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": codes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
 def write_hf_weights(folder: str | os.PathLike[str], named_tensors: Iterable[tuple[str, Any]], *,
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, write: bool = True) -> dict[str, Any]:
     """Stream `named_tensors` into safetensors shards under `folder` (module docstring).
     Returns `{"files", "tensors", "total_bytes"}`. `write=False` iterates without writing
     (a rank that takes part in the gathers but is not the writer)."""
-    from safetensors.torch import save_file
-
     out = Path(folder)
     if not write:
         for _ in named_tensors:
@@ -56,13 +91,14 @@ def write_hf_weights(folder: str | os.PathLike[str], named_tensors: Iterable[tup
         nonlocal shard, size
         if shard:
             path = out / f".part-{len(parts):05d}.safetensors"
-            save_file(shard, str(path), metadata={"format": "pt"})
+            _save_shard(shard, path)
             parts.append((path, list(shard)))
         shard, size = {}, 0
 
     for name, t in named_tensors:
-        # a CPU copy of its own: tied or fused views share storage, which safetensors refuses
-        c = t.detach().to("cpu", copy=True).contiguous()
+        # on the CPU (a GPU tensor is copied; a CPU one is written from its own memory, as
+        # nothing trains while this runs), contiguous
+        c = t.detach().to("cpu").contiguous()
         n = c.numel() * c.element_size()
         if shard and size + n > max_shard_bytes:
             flush()
@@ -76,7 +112,7 @@ def write_hf_weights(folder: str | os.PathLike[str], named_tensors: Iterable[tup
         if parts:
             parts[0][0].rename(out / SINGLE_FILE)
         else:
-            save_file({}, str(out / SINGLE_FILE), metadata={"format": "pt"})
+            _save_shard({}, out / SINGLE_FILE)
         return {"files": files, "tensors": count, "total_bytes": total}
     files, weight_map = [], {}
     for i, (path, names) in enumerate(parts):
