@@ -121,7 +121,7 @@ class Recorder:
         self.smoke, self.record = smoke, record
         self.command = command()
         self.commit = commit()
-        self.date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+        self.date = datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()
         self.t0 = time.time()
         self.monitor = CpuMonitor(root_pid=os.getpid(), interval_s=0.5).__enter__()
         self.finished = False

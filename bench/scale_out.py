@@ -1,7 +1,7 @@
 """Scale-out: server actors, and the direct weight path against the old one.
 
 Run: `python bench/scale_out.py [--servers 1,2,4] [--total-threads 4] [--sizes 25,100]
-[--reps 3] [--learn-steps 0] [--parts rollout,weights]` (CPU; embedded Ray on this machine). Progress goes to
+[--reps 3] [--learn-steps 0] [--parts rollout,weights,export] [--max-shard-mb 2048]` (CPU; embedded Ray on this machine). Progress goes to
 stderr; the last stdout line is one JSON object (bench/_record.py). `--smoke`: one server
 actor of 1 thread, 8 requests of 8 tokens, the weight paths once into one server on a
 tiny model (Ray included: the default environment has it). What it measures:
@@ -22,7 +22,19 @@ tiny model (Ray included: the default environment has it). What it measures:
    broadcast), `sync_s` until both servers (`--weight-servers`) have loaded the version, and
    `driver_peak_rss_mb` the driver's peak resident memory above its level before the
    path ran (sampled every 5 ms): it grows with model size on the old path only.
-3. `learning` (with `--learn-steps N`): the quickstart config for N steps with 1 and
+3. `export`: the final HF export (and `run.record_weights`) of a train worker (a plain
+   process under the local launcher, as in the quickstart), per model size (`--sizes`;
+   1, 25, 100 and 500M exist):
+   - `old` (before #33): the driver pulls the weights (`TrainWorkerGroup.named_weights`)
+     and writes the folder itself;
+   - `new`: the driver hands rank 0 a path (`run_dir.save_hf_folder(out, group, …)`) and
+     rank 0 writes safetensors one tensor at a time into bounded shards
+     (`--max-shard-mb`).
+   `driver_peak_rss_mb` is the driver's peak resident memory above its level before the
+   export (sampled every 5 ms), `worker_peak_rss_mb` rank 0's; both grow with model size
+   on the old path, the driver's stays flat on the new one and rank 0's stays near one
+   shard.
+4. `learning` (with `--learn-steps N`): the quickstart config for N steps with 1 and
    with 2 server actors: reward of the last 10 steps, the counts, wall time.
 """
 
@@ -52,13 +64,25 @@ sys.path.insert(0, str(ROOT))
 log = logging.getLogger("bench.scale_out")
 
 _SIZES = {  # ~params: hidden, intermediate, layers, heads, kv heads
-    1: dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1),  # --smoke
+    1: dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2),  # --smoke; the quickstart's shape
     25: dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
              num_key_value_heads=4),
     100: dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=16,
               num_key_value_heads=8),
+    500: dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=10, num_attention_heads=16,
+              num_key_value_heads=8),  # ~0.47B
 }
+
+
+def _n_params(model: Path) -> int:
+    """Parameters in the model folder, from the safetensors header (no tensor is loaded)."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
 
 
 def _model(size: int, root: Path) -> Path:
@@ -71,12 +95,13 @@ def _model(size: int, root: Path) -> Path:
 
 
 class _PeakRSS:
-    """The driver's peak RSS above its level at `start`, sampled on a thread."""
+    """A process's peak RSS (the driver's by default) above its level at `start`, sampled
+    on a thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, pid: int | None = None) -> None:
         import psutil
 
-        self.proc = psutil.Process()
+        self.proc = psutil.Process(pid)
         self.base = self.peak = 0
         self._stop = threading.Event()
 
@@ -184,7 +209,7 @@ def bench_weight_sync(size: int, root: Path, reps: int, servers: int = 2) -> dic
     cfg = _cfg(model, root / f"ws{size}", f"rollout.num_servers={servers}", f"cluster.rollout_pool.num_cpus={servers}",
                "weight_sync.timeout_s=300")
     group = TrainWorkerGroup(model, cfg.train, seed=0)
-    n_params = sum(t.numel() for _, t in group.named_weights())
+    n_params = _n_params(model)
     results: dict[str, Any] = {"params_m": round(n_params / 1e6, 1)}
     loop = asyncio.new_event_loop()
     try:
@@ -237,7 +262,61 @@ def bench_weight_sync(size: int, root: Path, reps: int, servers: int = 2) -> dic
     return results
 
 
-# ---- 3. learning with 1 and 2 server actors -----------------------------------------------
+# ---- 3. the final export: through the driver, or written by rank 0 --------------------------
+def bench_export(size: int, root: Path, max_shard_mb: int, old: bool = True) -> dict[str, Any]:
+    from areal_like.launcher.local import Zygote
+    from areal_like.models.hf_folder import has_hf_weights
+    from areal_like.orchestration.run_dir import save_hf_folder
+    from train_cluster.worker_group import TrainWorkerGroup
+
+    model = _model(size, root)
+    cfg = _cfg(model, root / f"ex{size}")
+    results: dict[str, Any] = {"params_m": round(_n_params(model) / 1e6, 1), "max_shard_mb": max_shard_mb}
+    zygote = Zygote.start()
+    try:
+        group = TrainWorkerGroup(model, cfg.train, seed=0, launcher=zygote, log_level="WARNING")
+        try:
+            rank0 = group.workers[0]
+            paths = {"new": lambda out: save_hf_folder(out, _Shards(group, max_shard_mb), model)}
+            if old:
+                paths["old"] = lambda out: save_hf_folder(out, dict(group.named_weights()), model)
+            # once, unmeasured: the worker's weights are mapped from the model file until first
+            # read (a trained model's are its own memory); its RSS would count those pages
+            group.export_weights(root / f"export{size}_warm")
+            for path, export in paths.items():
+                out = root / f"export{size}_{path}"
+                with _PeakRSS() as driver, _PeakRSS(rank0.actor_pid) as worker:
+                    t0 = time.perf_counter()
+                    export(out)
+                    took = time.perf_counter() - t0
+                if not has_hf_weights(out):
+                    raise RuntimeError(f"{path}: no weights in {out}")
+                files = sorted(p.name for p in out.glob("*.safetensors"))
+                results[path] = {"export_s": round(took, 2), "driver_peak_rss_mb": round(driver.mb, 1),
+                                 "worker_peak_rss_mb": round(worker.mb, 1), "weight_files": len(files)}
+                log.info("export %dM %s: %.2fs, driver +%.0f MB, rank 0 +%.0f MB, %d file(s)", size, path, took,
+                         driver.mb, worker.mb, len(files))
+                import shutil
+
+                shutil.rmtree(out, ignore_errors=True)
+        finally:
+            group.shutdown()
+    finally:
+        zygote.close()
+    return results
+
+
+class _Shards:
+    """The group, exporting with shards of `mb` MB (what `save_hf_folder` calls)."""
+
+    def __init__(self, group: Any, mb: int) -> None:
+        self.group, self.mb = group, mb
+
+    def export_weights(self, path: Path) -> Any:
+        return self.group.export_weights(path, self.mb * 2**20)
+
+
+# ---- 4. learning with 1 and 2 server actors -----------------------------------------------
 def bench_learning(root: Path, steps: int) -> dict[str, Any]:
     from areal_like.core.metrics import read_jsonl
     from areal_like.orchestration.launch import run_both
@@ -266,13 +345,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="25,100")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--learn-steps", type=int, default=0)
-    ap.add_argument("--parts", default="rollout,weights", help="of rollout,weights (learning runs with --learn-steps)")
+    ap.add_argument("--parts", default="rollout,weights,export",
+                    help="of rollout,weights,export (learning runs with --learn-steps)")
+    ap.add_argument("--max-shard-mb", type=int, default=2048, help="export: the largest safetensors shard")
+    ap.add_argument("--no-old-export", action="store_true", help="export: skip the old path (through the driver)")
     ap.add_argument("--requests", type=int, default=64, help="concurrent requests per rollout round")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=64, help="forced response tokens per request")
     ap.add_argument("--weight-servers", type=int, default=2, help="server actors receiving the weights")
     args, recorder = _record.parse(ap, __file__, smoke={
-        "servers": "1", "total_threads": 1, "sizes": "1", "reps": 1, "weight_servers": 1, "requests": 8, "prompt_len": 8, "gen_len": 8})
+        "max_shard_mb": 1, "servers": "1", "total_threads": 1, "sizes": "1", "reps": 1, "weight_servers": 1, "requests": 8, "prompt_len": 8, "gen_len": 8})
     parts = set(args.parts.split(","))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     from areal_like.launcher.ray_launcher import RayLauncher, ray_env
@@ -295,6 +377,9 @@ def main() -> None:
                                              for s in (int(x) for x in args.sizes.split(","))}
             finally:
                 launcher.shutdown()
+        if "export" in parts:
+            result["export"] = {f"{s}M": bench_export(s, root, args.max_shard_mb, not args.no_old_export)
+                                for s in (int(x) for x in args.sizes.split(","))}
         if args.learn_steps:
             result["learning"] = bench_learning(root, args.learn_steps)
     recorder.finish(result)

@@ -192,7 +192,7 @@ async def compute_reward(
             value = await asyncio.wait_for(fn(sample, output), timeout=timeout_s)
         else:
             value = await asyncio.wait_for(_in_daemon_thread(fn, sample, output), timeout=timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RewardError("timeout", f"{name} took longer than {timeout_s:g}s") from None
     except Exception as e:
         raise RewardError("raised", f"{name} raised {type(e).__name__}: {e}") from e

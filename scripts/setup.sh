@@ -21,6 +21,11 @@ PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
+python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "[setup] .venv has $(python -V 2>&1): areal_like needs Python 3.11 or newer" \
+       "(remove .venv, then run again with PYTHON=python3.11)" >&2
+  exit 1
+}
 hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 want="${hash}-${EXTRAS}"
 stamp=.venv/.areal_like_setup

@@ -39,7 +39,7 @@ class FakeController:
         while not self._stop.is_set():
             try:
                 ann = await asyncio.wait_for(self.announcements.get(), 0.05)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             self.seen.append(ann.version)
             if ann.stop:

@@ -1,7 +1,7 @@
 """`TrainEngine`: the trainer interface, and the one train-step algorithm every backend shares.
 
 The orchestrator only ever calls the public methods: `compute_logprobs`,
-`train_step`, `named_weights`, `save`, `load` and `version`. A backend (torch
+`train_step`, `named_weights`, `export_weights`, `save`, `load` and `version`. A backend (torch
 DDP/FSDP, Megatron-core) supplies how to run its model on a packed micro-batch,
 how to reach its parameters and how to checkpoint; the decoupled-PPO step itself —
 π_prox recompute, mini-batches, gradient accumulation, global normalisation across
@@ -218,6 +218,15 @@ class TrainEngine(ABC):
     @abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named weights, for weight sync and export (see the backend for tying rules)."""
+
+    def export_weights(self, path: str | Path, max_shard_bytes: int | None = None) -> dict[str, Any]:
+        """Write `named_weights()` as HF safetensors under `path` (a folder), one tensor at a
+        time into bounded shards (`areal_like.models.hf_folder`): every rank iterates (the
+        gathers are collectives), rank 0 writes. Returns what was written (rank 0)."""
+        from areal_like.models.hf_folder import DEFAULT_MAX_SHARD_BYTES, write_hf_weights
+
+        return write_hf_weights(path, self.named_weights(), write=getattr(self, "rank", 0) == 0,
+                                max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
 
     @abstractmethod
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

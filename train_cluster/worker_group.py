@@ -10,7 +10,9 @@ directly between them. The group looks like one engine to the orchestrator:
   ranks (advantages were already computed on the whole batch), runs the step on
   every rank and returns rank 0's stats (already reduced over ranks);
 - `compute_logprobs(batch)` scatters and gathers back in the global order;
-- `named_weights()` comes from rank 0 (every rank takes part: FSDP must gather);
+- `export_weights(path)`: rank 0 writes HF safetensors itself, tensor by tensor (every
+  rank takes part: FSDP/Megatron gather); only the path and file names cross the launcher;
+- `named_weights()` comes from rank 0 through the caller (tests, small models);
 - `save`/`load` run on every rank (each stores its RNG state).
 
 Threads are pinned per worker: each actor sets `torch.set_num_threads(threads)`
@@ -163,6 +165,12 @@ class _TrainWorker:
                 pass
             return None
         return [(n, t.to("cpu", copy=True)) for n, t in self.engine.named_weights()]
+
+    def export_weights(self, path: str, max_shard_bytes: int | None = None) -> dict[str, Any]:
+        """HF safetensors of the current weights under `path`, written by rank 0 one tensor at
+        a time in bounded shards (every rank takes part in the gathers). Only the folder's
+        path comes in and a few names go back: the weights never leave this process."""
+        return self.engine.export_weights(path, max_shard_bytes)
 
     # ---- the direct weight path (docs/design.md §10.5) -----------------------------------
     def start_weight_sender(self, weight_sync: dict[str, Any], device: str, disk_path: str) -> str | None:
@@ -335,8 +343,16 @@ class TrainWorkerGroup:
                 pos += n
         return out
 
+    def export_weights(self, path: str | Path, max_shard_bytes: int | None = None) -> dict[str, Any]:
+        """Rank 0 writes the weights as HF safetensors under `path` (the final export, recorded
+        weights): this call carries the path, the answer the file names. Nothing of the
+        weights reaches the caller (`bench/scale_out.py` measures the driver's memory)."""
+        return _get(self.workers, [w.export_weights.remote(str(path), max_shard_bytes) for w in self.workers],
+                    "export_weights")[0]
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Rank 0's HF-named weights (copies on CPU; tied duplicates dropped)."""
+        """Rank 0's HF-named weights (copies on CPU; tied duplicates dropped), through this
+        process: for tests and small models. A run exports with `export_weights`."""
         yield from _get(self.workers, [w.named_weights.remote() for w in self.workers], "named_weights")[0]
 
     def weight_sender(self, weight_sync: Any, device: str, disk_path: str | Path) -> WorkerWeightSender:

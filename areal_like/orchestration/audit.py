@@ -129,10 +129,12 @@ def audit_run(run_dir: str | Path, tol: float = 1e-3, batch_size: int = 32) -> A
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from areal_like.models.hf_folder import has_hf_weights
+
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per version drowned the report
     for v in sorted(todo):
         wdir = weights_dir / f"v{v}"
-        if not (wdir / "model.safetensors").is_file():
+        if not has_hf_weights(wdir):
             rep.missing.append(f"weights/v{v}/ (tokens of version {v} cannot be checked)")
             continue
         model = AutoModelForCausalLM.from_pretrained(str(wdir), dtype=torch.float32).eval()

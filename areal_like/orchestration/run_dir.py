@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,9 @@ class RunDir:
 
     def has_final(self) -> bool:
         """`final/` holds the exported model (it is renamed into place only whole)."""
-        return (self.final / "model.safetensors").is_file()
+        from areal_like.models.hf_folder import has_hf_weights
+
+        return has_hf_weights(self.final)
 
     def finished_at(self, total_steps: int) -> int | None:
         """The version a finished run ended at, if its summary is written and it reached
@@ -236,19 +238,28 @@ class RunDir:
     def weights_dir(self, version: int) -> Path:
         return self.weights / f"v{version}"
 
-    def record_weights(self, version: int, state: dict[str, Any], model_path: str | Path) -> Path:
-        """Write HF-format weights of `version` (exactly the tensors the engines load)."""
-        return save_hf_folder(self.weights_dir(version), state, model_path)
+    def record_weights(self, version: int, source: Any, model_path: str | Path) -> Path:
+        """Write HF-format weights of `version` (exactly the tensors the engines load);
+        `source` as for `save_hf_folder`."""
+        return save_hf_folder(self.weights_dir(version), source, model_path)
 
 
-def save_hf_folder(out: Path, state: dict[str, Any], model_path: str | Path) -> Path:
-    """An HF folder from a state dict plus the config/tokenizer files of `model_path`."""
-    from safetensors.torch import save_file
+def save_hf_folder(out: Path, source: Any, model_path: str | Path) -> Path:
+    """An HF folder: the config/tokenizer files of `model_path` plus the weights of `source`.
+
+    A trainer with `export_weights(path)` (the train workers, or an engine in this process)
+    writes the weights itself: this process hands it a path and never holds the model. A
+    mapping of tensors, or a trainer with only `named_weights()`, is streamed here, one
+    tensor at a time into bounded shards (`areal_like.models.hf_folder`)."""
+    from areal_like.models.hf_folder import write_hf_weights
 
     def weights(tmp: Path) -> None:
-        # clone: tied weights share storage, which safetensors refuses to save
-        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if hasattr(source, "export_weights"):
+            source.export_weights(tmp)
+        elif isinstance(source, Mapping):
+            write_hf_weights(tmp, source.items())
+        else:
+            write_hf_weights(tmp, source.named_weights())
 
     return _write_hf_folder(out, model_path, weights)
 

@@ -192,7 +192,8 @@ class WeightFeed:
         self.fed_at = time.time()
 
     def record(self, v: int) -> None:
-        self.run_dir.record_weights(v, dict(self.trainer.named_weights()), self.model_path)
+        """`weights/v{v}/`: the trainer writes them (its train ranks), never through here."""
+        self.run_dir.record_weights(v, self.trainer, self.model_path)
 
     def send(self, version: int) -> WeightUpdateMeta:
         """Hand the trainer's current weights to the transport as `version`

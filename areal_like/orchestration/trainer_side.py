@@ -113,18 +113,18 @@ class TrainerSide:
         return summary
 
     def export_final(self, trainer: Any) -> None:
-        """`final/`, an HF folder, written whole or not at all. A full disk here leaves the
+        """`final/`, an HF folder, written whole or not at all, by the train workers (rank 0,
+        tensor by tensor: `TrainWorkerGroup.export_weights`). A full disk here leaves the
         run finished (summary and final checkpoint written): `--resume` then writes
         `final/` from that checkpoint."""
-        import errno
-
         from areal_like.orchestration.run_dir import save_hf_folder
-        from areal_like.orchestration.trainer_controller import RunAborted
+        from areal_like.orchestration.trainer_controller import RunAborted, _disk_full
 
         try:
-            save_hf_folder(self.run_dir.final, dict(trainer.named_weights()), self.model_path)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
+            # the train ranks write the weights; this process hands them the path only
+            save_hf_folder(self.run_dir.final, trainer, self.model_path)
+        except Exception as e:  # the worker's OSError, as itself or as the launcher carried it
+            if not _disk_full(e):
                 raise
             raise RunAborted(f"no space left on device writing the final model to {self.run_dir.final}: training "
                              f"finished at v{trainer.version} (summary and final checkpoint written). Free some "

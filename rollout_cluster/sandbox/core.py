@@ -416,9 +416,9 @@ class Sandbox:
                     pidfd = None  # already gone: nothing of the call is left to wait for
             try:
                 await asyncio.wait_for(proc.wait(), timeout=max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         finally:  # also on cancellation: kill the whole call and wait until it is gone
             await asyncio.shield(self._reap(proc, pidfd))
@@ -478,7 +478,7 @@ class Sandbox:
                 timed_out = False
                 try:
                     await asyncio.wait_for(proc.wait(), timeout=limits.wall_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     timed_out = True
                 finally:
                     if proc.returncode is None or timed_out:

@@ -152,7 +152,7 @@ async def call_tool(
     start = time.perf_counter()
     try:
         result = await asyncio.wait_for(tool.execute(instance_id, arguments), timeout=tool.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return ToolOutcome(
             f"Error: {name} timed out after {tool.timeout_s:g}s",
             "timeout",

@@ -20,11 +20,12 @@ Megatron has no `output_layer.weight` when `share_embeddings_and_output_weights`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "padded_vocab_size"]
+__all__ = ["hf_to_megatron", "iter_megatron_to_hf", "megatron_to_hf", "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab: int, tp: int) -> int:
@@ -92,30 +93,45 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: Any, tp: int = 1, rank: int
 
 def megatron_to_hf(shards: list[dict[str, torch.Tensor]], cfg: Any) -> dict[str, torch.Tensor]:
     """A full HF state dict (tied duplicates dropped) from every TP rank's Megatron state dict."""
+    return dict(iter_megatron_to_hf(lambda name: [s[name] for s in shards], shards[0].__contains__, cfg))
+
+
+def iter_megatron_to_hf(get: Callable[[str], list[torch.Tensor]], has: Callable[[str], bool],
+                        cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF names and full tensors, one Megatron tensor at a time: `get(name)` gives every TP
+    rank's shard of that one tensor (the engine all-gathers it there and then), `has(name)`
+    whether the model has it. The order is fixed by `cfg`, so every TP rank asks for the
+    same tensors in the same order (the gathers are collectives); at most one layer's
+    weight, gathered, is alive at a time."""
     def col(name: str) -> torch.Tensor:
-        return torch.cat([s[name] for s in shards], dim=0)
+        return torch.cat(get(name), dim=0)
 
     def row(name: str) -> torch.Tensor:
-        return torch.cat([s[name] for s in shards], dim=1)
+        return torch.cat(get(name), dim=1)
+
+    def one(name: str) -> torch.Tensor:  # replicated on every TP rank: rank 0's (no gather)
+        return get(name)[0].clone()
 
     vocab = cfg.vocab_size
-    out = {"model.embed_tokens.weight": col("embedding.word_embeddings.weight")[:vocab].clone()}
+    yield "model.embed_tokens.weight", col("embedding.word_embeddings.weight")[:vocab].contiguous().clone()
     for i in range(cfg.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         a = h + "self_attn."
-        out[h + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"].clone()
+        yield h + "input_layernorm.weight", one(m + "input_layernorm.weight")
         q, k, v = _split_qkv(col(m + "self_attention.linear_qkv.weight"), cfg)
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        if m + "self_attention.linear_qkv.bias" in shards[0]:
+        yield from ((a + "q_proj.weight", q.contiguous()), (a + "k_proj.weight", k.contiguous()),
+                    (a + "v_proj.weight", v.contiguous()))
+        if has(m + "self_attention.linear_qkv.bias"):
             qb, kb, vb = _split_qkv(col(m + "self_attention.linear_qkv.bias"), cfg)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
-        out[a + "o_proj.weight"] = row(m + "self_attention.linear_proj.weight")
-        fc1 = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-        out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
-        out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
-        out[h + "mlp.down_proj.weight"] = row(m + "mlp.linear_fc2.weight")
-        out[h + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"].clone()
-    out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
+            yield from ((a + "q_proj.bias", qb.contiguous()), (a + "k_proj.bias", kb.contiguous()),
+                        (a + "v_proj.bias", vb.contiguous()))
+        yield a + "o_proj.weight", row(m + "self_attention.linear_proj.weight").contiguous()
+        fc1 = [t.chunk(2, dim=0) for t in get(m + "mlp.linear_fc1.weight")]
+        yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1]).contiguous()
+        yield h + "mlp.up_proj.weight", torch.cat([u for _, u in fc1]).contiguous()
+        del fc1
+        yield h + "mlp.down_proj.weight", row(m + "mlp.linear_fc2.weight").contiguous()
+        yield h + "post_attention_layernorm.weight", one(m + "pre_mlp_layernorm.weight")
+    yield "model.norm.weight", one("decoder.final_layernorm.weight")
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = col("output_layer.weight")[:vocab].clone()
-    return {k: v.contiguous() for k, v in out.items()}
+        yield "lm_head.weight", col("output_layer.weight")[:vocab].contiguous().clone()

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from areal_like.core.config import MegatronBackendConfig, TrainConfig
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
-from train_cluster.megatron.convert import hf_to_megatron, megatron_to_hf, padded_vocab_size
+from train_cluster.megatron.convert import hf_to_megatron, iter_megatron_to_hf, padded_vocab_size
 from train_cluster.torch_engine import _rng_state, _set_rng_state, check_device, free_port
 
 __all__ = ["MegatronTrainEngine", "build_gpt_model"]
@@ -267,18 +267,19 @@ class MegatronTrainEngine(TrainEngine):
         return {k: v.detach() for k, v in self._module.state_dict().items() if not k.endswith("_extra_state")}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights (TP shards all-gathered: every TP rank must iterate)."""
+        """Full HF-named weights, one tensor at a time: each TP-split tensor is all-gathered
+        when its turn comes (every TP rank must iterate, in step), never the whole model."""
         local = self._local_state()
-        if self.tp == 1:
-            shards = [local]
-        else:
-            shards = [{} for _ in range(self.tp)]
-            for name, t in local.items():
-                parts = [torch.empty_like(t) for _ in range(self.tp)]
-                dist.all_gather(parts, t.contiguous(), group=self.tp_group)
-                for s, p in zip(shards, parts, strict=True):
-                    s[name] = p
-        yield from megatron_to_hf(shards, self.hf_config).items()
+
+        def get(name: str) -> list[torch.Tensor]:
+            t = local[name]
+            if self.tp == 1:
+                return [t]
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+            return parts
+
+        yield from iter_megatron_to_hf(get, local.__contains__, self.hf_config)
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """HF weights (rank 0) + per-rank optimizer and RNG + state JSON; COMPLETE marker last."""
