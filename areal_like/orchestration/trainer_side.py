@@ -47,7 +47,7 @@ class TrainerSide:
         self.dashboard = Dashboard(self.mlog, self.registry, host=cfg.metrics.dashboard_host,
                                    port=cfg.metrics.dashboard_port, token=cfg.metrics.dashboard_token,
                                    run_name=Path(cfg.run.dir).name)
-        self.dashboard_url = self.dashboard.start()
+        self.dashboard.start()
         from areal_like.orchestration import startup
 
         startup.mark("imports")  # `areal-like train`: the first phase it passes
@@ -71,6 +71,11 @@ class TrainerSide:
         self.group: Any = None
         self.controller: Any = None
         startup.mark("trainer_side")
+
+    @property
+    def dashboard_url(self) -> str:
+        """Where the dashboard serves (the dashboard's own record of it)."""
+        return self.dashboard.url
 
     @property
     def addresses(self) -> tuple[str, str]:
