@@ -137,7 +137,8 @@ class RolloutSide:
                 if ch is not None:
                     ch.close()
             self.launcher.remove(own_pg)
-        return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes,
+        book = controller.book
+        return {"started": book.started, "cancelled": book.cancelled, **book.outcomes,
                 "servers": {n: s.model_dump() for n, s in self.pool.per_server().items()}}
 
     async def _no_restarts_once(self, controller: Any) -> None:
