@@ -1,16 +1,18 @@
-"""Glue between the rollout controller's event loop and the ZMQ channels.
+"""The rollout side's link to the trainer, on the controller's event loop.
 
-The controller is pure asyncio and knows no sockets; ZMQ sockets are not
-thread-safe and block. A small thread polls the control SUB socket and hands each
-announcement to the event loop; sends go through `asyncio.to_thread` so a slow
-trainer back-pressures one group, never the event loop.
+The controller is pure asyncio and knows no sockets. `TrainerLink.listen` is a task
+beside it: it awaits the asyncio-native control subscriber (`zmq.asyncio`, no thread),
+hands each announcement to the controller, passes the acknowledgements it carries to
+the data pusher (which then resends what a reconnect may have lost) and judges the
+trainer's silence. Sends go through `asyncio.to_thread` (`make_sender`) so a slow
+trainer back-pressures one group, never the event loop. `drive_rollout` runs the two
+together until the trainer says goodbye.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from typing import Any
 
@@ -20,7 +22,7 @@ from areal_like.core.types import VersionAnnouncement
 from areal_like.orchestration.channels import ControlSubscriber, DataPusher
 from areal_like.orchestration.rollout_controller import RolloutController
 
-__all__ = ["make_sender", "drive_rollout", "TrainerLostError"]
+__all__ = ["make_sender", "drive_rollout", "TrainerLink", "TrainerLostError"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,67 @@ def make_sender(pusher: DataPusher, timeout_s: float = 120.0) -> Any:
 
 class TrainerLostError(RuntimeError):
     """The trainer went silent past `transport.peer_timeout_s`."""
+
+
+class TrainerLink:
+    """The control channel's listener (a task on the controller's loop): announcements
+    into `controller.announcements`, their acknowledgements to `pusher`, and the verdict
+    on the trainer's silence (`lost`, the reason it gave up, once it has)."""
+
+    def __init__(self, controller: RolloutController, subscriber: ControlSubscriber, *,
+                 peer_timeout_s: float | None, peer_dead_s: float | None, address: str,
+                 pusher: DataPusher | None, started_at: float | None) -> None:
+        self.controller = controller
+        self.subscriber = subscriber
+        self.peer_timeout_s = peer_timeout_s
+        self.peer_dead_s = peer_dead_s
+        self.address = address
+        self.pusher = pusher
+        self.started = time.monotonic() if started_at is None else started_at  # (a time.monotonic() value)
+        self.lost: str | None = None
+
+    async def listen(self) -> str | None:
+        """Until the trainer is lost (returns why) or the task is cancelled."""
+        ctl, pusher = self.controller, self.pusher
+        last: float | None = None
+        gone = False
+        next_note = self.started + 10.0
+        while True:
+            msg = await self.subscriber.recv(0.2)
+            now = time.monotonic()
+            if pusher is not None:
+                if isinstance(msg, VersionAnnouncement) and msg.run_id == ctl.follow.run_id:
+                    pusher.ack(msg.epoch, msg.acked.get(ctl.follow.sender, []))
+                pusher.maintain()
+            if isinstance(msg, VersionAnnouncement):
+                if gone:
+                    log.warning("the trainer is back after %.0fs of silence", now - (last or now))
+                    gone = False
+                last = now
+                ctl.announcements.put_nowait(msg)
+                continue
+            if msg is not None:
+                log.warning("unexpected message on the control channel: %s", type(msg).__name__)
+                continue
+            if last is None:
+                if now >= next_note:
+                    next_note = now + 10.0
+                    log.warning("no trainer has answered at %s for %.0fs (is `areal-like train` running there?); "
+                                "waiting up to transport.peer_timeout_s", self.address, now - self.started)
+                if self.peer_timeout_s is not None and now - self.started > self.peer_timeout_s:
+                    self.lost = (f"no trainer answered at {self.address} within {now - self.started:.0f}s "
+                                 "(transport.peer_timeout_s): check transport.control_addr and that the trainer runs")
+                    return self.lost
+                continue
+            silent = now - last
+            if self.peer_dead_s is not None and not gone and silent > self.peer_dead_s:
+                gone = True
+                log.error("the trainer has been silent for %.0fs (transport.peer_dead_s): declared gone; "
+                          "waiting up to transport.peer_timeout_s for it to come back", silent)
+            if self.peer_timeout_s is not None and silent > self.peer_timeout_s:
+                log.error("no announcement from the trainer for %.0fs (transport.peer_timeout_s): stopping", silent)
+                self.lost = _lost_message(silent)
+                return self.lost
 
 
 async def drive_rollout(controller: RolloutController, subscriber: ControlSubscriber,
@@ -57,94 +120,57 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
     waiting for its first announcement, or for the weights that one named: a queue `get`
     that `stop()` does not wake) is cancelled instead, as it has nothing to wind down.
     """
-    loop = asyncio.get_running_loop()
-    stop = threading.Event()
-    lost: list[str] = []
-    gave_up: list[bool] = []
+    gave_up = False
     run_task: asyncio.Future[None] = asyncio.ensure_future(controller.run())
+    link = TrainerLink(controller, subscriber, peer_timeout_s=peer_timeout_s, peer_dead_s=peer_dead_s,
+                       address=address, pusher=pusher, started_at=started_at)
 
-    def give_up() -> None:
+    def give_up(task: asyncio.Task[str | None]) -> None:
+        nonlocal gave_up
+        if task.cancelled() or task.exception() is not None or task.result() is None:
+            if not task.cancelled() and task.exception() is not None:  # a bug in the listener: stop, say why
+                log.error("the control channel's listener failed: %r", task.exception())
+                controller.stop()
+            return
         controller.stop()
-        if not run_task.done() and not _schedule_running(loop):
-            gave_up.append(True)
+        if not run_task.done() and not _schedule_running():
+            gave_up = True
             run_task.cancel()
 
-    def listen() -> None:
-        started = time.monotonic() if started_at is None else started_at  # (a time.monotonic() value)
-        last: float | None = None
-        gone = False
-        next_note = started + 10.0
-        while not stop.is_set():
-            msg = subscriber.recv(0.2)
-            now = time.monotonic()
-            if pusher is not None:
-                if isinstance(msg, VersionAnnouncement) and msg.run_id == controller.run_id:
-                    pusher.ack(msg.epoch, msg.acked.get(controller.sender, []))
-                pusher.maintain()
-            if isinstance(msg, VersionAnnouncement):
-                if gone:
-                    log.warning("the trainer is back after %.0fs of silence", now - (last or now))
-                    gone = False
-                last = now
-                loop.call_soon_threadsafe(controller.announcements.put_nowait, msg)
-                continue
-            if msg is not None:
-                log.warning("unexpected message on the control channel: %s", type(msg).__name__)
-                continue
-            if last is None:
-                if now >= next_note:
-                    next_note = now + 10.0
-                    log.warning("no trainer has answered at %s for %.0fs (is `areal-like train` running there?); "
-                                "waiting up to transport.peer_timeout_s", address, now - started)
-                if peer_timeout_s is not None and now - started > peer_timeout_s:
-                    lost.append(f"no trainer answered at {address} within {now - started:.0f}s "
-                                "(transport.peer_timeout_s): check transport.control_addr and that the trainer runs")
-                    loop.call_soon_threadsafe(give_up)
-                    return
-                continue
-            silent = now - last
-            if peer_dead_s is not None and not gone and silent > peer_dead_s:
-                gone = True
-                log.error("the trainer has been silent for %.0fs (transport.peer_dead_s): declared gone; "
-                          "waiting up to transport.peer_timeout_s for it to come back", silent)
-            if peer_timeout_s is not None and silent > peer_timeout_s:
-                lost.append(_lost_message(silent))
-                log.error("no announcement from the trainer for %.0fs (transport.peer_timeout_s): stopping", silent)
-                loop.call_soon_threadsafe(give_up)
-                return
-
-    t = threading.Thread(target=listen, name="control-sub", daemon=True)
-    t.start()
+    listener = asyncio.create_task(link.listen(), name="control-sub")
+    listener.add_done_callback(give_up)
     try:
         try:
             await run_task
         except asyncio.CancelledError:
-            if gave_up and lost:  # we cancelled it (not a Ctrl-C): the trainer is lost
-                raise TrainerLostError(lost[0]) from None
+            if gave_up and link.lost:  # we cancelled it (not a Ctrl-C): the trainer is lost
+                raise TrainerLostError(link.lost) from None
             raise
-        if pusher is not None and not lost:
+        if pusher is not None and not link.lost:
             left = await asyncio.to_thread(pusher.flush, flush_s)
             if left:
                 log.warning("%d data frames were not acknowledged by the trainer within %.0fs of stopping", left, flush_s)
     except TrainerLostError:
         raise
     except Exception as e:
-        if lost:
-            raise TrainerLostError(lost[0]) from e
+        if link.lost:
+            raise TrainerLostError(link.lost) from e
         raise
     finally:
-        stop.set()
         if not run_task.done():  # drive_rollout itself was cancelled before the controller began
             run_task.cancel()
-        await asyncio.to_thread(t.join, 2.0)
-    if lost:
-        raise TrainerLostError(lost[0])
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+    if link.lost:
+        raise TrainerLostError(link.lost)
+    if not listener.cancelled() and listener.exception() is not None:
+        raise listener.exception()  # type: ignore[misc]
 
 
-def _schedule_running(loop: asyncio.AbstractEventLoop) -> bool:
+def _schedule_running() -> bool:
     """Whether the controller has begun its schedule: its control task exists once the
     first announcement (and the weights it names) are through (`RolloutController.run`)."""
-    return any(t.get_name() == "rollout-control" and not t.done() for t in asyncio.all_tasks(loop))
+    return any(t.get_name() == "rollout-control" and not t.done() for t in asyncio.all_tasks())
 
 
 def _lost_message(silent_s: float) -> str:
