@@ -89,7 +89,7 @@ def test_follow_refuses_a_second_controller_and_stamps_its_origin() -> None:
     f.refuse_if_another(_ann(0, rollout_id=f.sender))
     with pytest.raises(RolloutRefused, match="already has a rollout controller"):
         f.refuse_if_another(_ann(0, rollout_id="someone-else"))
-    o = f.origin(started=12)
+    o = f.stamp(started=12)
     assert (o.run_id, o.epoch, o.sender, o.started) == ("run", 3, f.sender, 12)
 
 
@@ -343,3 +343,80 @@ def test_outbox_stamps_every_frame_and_times_sends_and_waits() -> None:
     budget = box.budget()
     assert budget.generated_tokens == 5.0 and budget.wait_gate_seconds_total == 1.5
     assert budget.send_seconds_total >= 0.01
+
+
+# ---- ServerWeights (server_pool.py): a version onto the pool, and the servers that miss it ----
+class _FakePool:
+    def __init__(self) -> None:
+        self.results: dict[str, int | BaseException] = {}
+        self.restarted: list[tuple[str, int]] = []
+
+    async def receive(self, meta: WeightUpdateMeta):
+        ok = {n: r for n, r in self.results.items() if isinstance(r, int)}
+        failed = {n: r for n, r in self.results.items() if isinstance(r, BaseException)}
+        return ok, failed
+
+    def _adapter(self, name: str) -> str:
+        return f"adapter-{name}"
+
+    async def restart(self, name: str, error: BaseException, version: int) -> str:
+        self.restarted.append((name, version))
+        return self._adapter(name)
+
+
+class _FakeManager:
+    def __init__(self, names: list[str]) -> None:
+        self.server_names = list(names)
+        self.failed: list[str] = []
+
+    def mark_failed(self, name: str, error: BaseException) -> None:
+        self.failed.append(name)
+
+    def remove_server(self, name: str) -> None:
+        self.server_names.remove(name)
+
+    def add_server(self, server: Any, name: str) -> None:
+        self.server_names.append(name)
+
+    def none_left(self):  # noqa: ANN201
+        return None
+
+
+def test_a_server_that_misses_a_version_leaves_rotation_until_it_catches_up(caplog) -> None:
+    from areal_like.launcher import ActorDied
+    from areal_like.orchestration.server_pool import ServerWeights
+
+    async def main() -> None:
+        pool, manager = _FakePool(), _FakeManager(["a", "b", "c"])
+        w = ServerWeights(pool)  # type: ignore[arg-type]
+        w.manager = manager
+        pool.results = {"a": 1, "b": TimeoutError("slow receiver"), "c": ActorDied("gone")}
+        with caplog.at_level(logging.WARNING):
+            assert await w.apply(_meta(1)) == 1
+        assert manager.server_names == ["a", "c"] and manager.failed == ["c"]  # b lags, c is restarted
+        assert "missed v1" in caplog.text
+        pool.results = {"a": 2, "b": 2}
+        assert await w.apply(_meta(2)) == 2
+        assert "b" in manager.server_names  # caught up: back in rotation
+        await w.restart("c", RuntimeError("dead"))
+        assert pool.restarted == [("c", 2)]  # a restarted server serves what the others serve
+        pool.results = {"a": 0}
+        assert await w.apply(_meta(0, epoch=1)) == 0  # a resumed trainer's numbers start again
+
+    asyncio.run(main())
+
+
+def test_a_version_no_server_loaded_is_an_error_the_controller_survives() -> None:
+    from areal_like.orchestration.server_pool import ServerWeights
+    from weight_sync.meta import WeightSyncError
+
+    async def main() -> None:
+        pool = _FakePool()
+        w = ServerWeights(pool)  # type: ignore[arg-type]
+        w.manager = _FakeManager(["a"])
+        pool.results = {"a": TimeoutError("slow receiver")}
+        with pytest.raises(WeightSyncError, match="no rollout server loaded v1: .*slow receiver"):
+            await w.apply(_meta(1))
+        assert w.version == 0
+
+    asyncio.run(main())

@@ -105,7 +105,7 @@ class TrainerFollow:
                                  "one rollout controller per run: stop the other one first, or point this one at "
                                  "another trainer")
 
-    def origin(self, started: int) -> Origin:
+    def stamp(self, started: int) -> Origin:
         return Origin(run_id=self.run_id or "", epoch=self.epoch, sender=self.sender, started=started)
 
 
@@ -411,7 +411,7 @@ class Outbox:
         self.seconds = {"send": 0.0, "wait_gate": 0.0, "wait_concurrency": 0.0, "wait_weights": 0.0}
 
     async def send(self, msg: Any) -> None:
-        msg.origin = self.follow.origin(self.book.started)
+        msg.origin = self.follow.stamp(self.book.started)
         t0 = time.perf_counter()
         try:
             await self.transport(msg)
