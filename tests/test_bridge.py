@@ -1,5 +1,6 @@
-"""The rollout side's control listener: a trainer that goes silent (killed without a
-word) stops the rollout side with a clear error instead of leaving it running forever."""
+"""The rollout side's control listener (`TrainerLink`, a task on the controller's event
+loop): a trainer that goes silent (killed without a word) stops the rollout side with a
+clear error instead of leaving it running forever."""
 
 from __future__ import annotations
 
@@ -10,18 +11,24 @@ import time
 import pytest
 
 from areal_like.core.types import VersionAnnouncement
-from areal_like.orchestration.bridge import TrainerLostError, drive_rollout
+from areal_like.orchestration.rollout_side import TrainerLostError, drive_rollout
 
 
 class FakeSubscriber:
+    """An asyncio-native subscriber, as `ControlSubscriber` is: `await recv(timeout_s)`."""
+
     def __init__(self) -> None:
         self.q: queue.Queue = queue.Queue()
 
-    def recv(self, timeout_s: float):
-        try:
-            return self.q.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+    async def recv(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.q.get_nowait()
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    return None
+            await asyncio.sleep(0.01)
 
 
 class FakeController:

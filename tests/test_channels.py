@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -98,13 +99,16 @@ def test_control_channel_publishes_announcements() -> None:
     pub = ControlPublisher("tcp://127.0.0.1:0")
     sub = ControlSubscriber(pub.addr)
     ann = VersionAnnouncement(version=3, consumed=24, dropped=2)
-    got = None
-    for _ in range(50):  # slow joiner: the trainer re-publishes until seen
-        pub.publish(ann)
-        got = sub.recv(0.1)
-        if got is not None:
-            break
-    assert got == ann
+
+    async def listen() -> VersionAnnouncement | None:  # the subscriber is asyncio-native
+        for _ in range(50):  # slow joiner: the trainer re-publishes until seen
+            pub.publish(ann)
+            got = await sub.recv(0.1)
+            if got is not None:
+                return got
+        return None
+
+    assert asyncio.run(listen()) == ann
     pub.close(), sub.close()
 
 

@@ -22,10 +22,10 @@ from areal_like.core.config import load_config
 from areal_like.core.metrics import MetricsLog, read_jsonl
 from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import Origin, SamplingParams, Trajectory, TrajectoryGroup
-from areal_like.orchestration.bridge import drive_rollout, make_sender
 from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
 from areal_like.orchestration.dataset import PromptSource
 from areal_like.orchestration.rollout_controller import RolloutController, RolloutRefused
+from areal_like.orchestration.rollout_side import drive_rollout, make_sender
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_controller import TrainerController
 from tests.test_orchestration_fake import FakeTrainer, FakeWeights
@@ -65,13 +65,13 @@ class Harness:
             async def run() -> None:
                 pusher = DataPusher(self.puller.addr)
                 sub = ControlSubscriber(self.publisher.addr)
-                ctl.send = make_sender(pusher)
+                ctl.outbox.transport = make_sender(pusher)
                 task = asyncio.create_task(drive_rollout(ctl, sub, peer_timeout_s=60, peer_dead_s=5))
                 try:
                     if vanish_after_s is not None:  # killed without a word: no final report
                         await asyncio.sleep(vanish_after_s)
                         task.cancel()
-                        ctl.send = _silent
+                        ctl.outbox.transport = _silent
                     await task
                 except RolloutRefused as e:
                     out["refused"] = str(e)
@@ -171,7 +171,7 @@ def test_a_refused_rollout_controller_never_touches_the_weight_group(tmp_path) -
     async def join_weights(ann) -> None:  # noqa: ANN001
         joined.append(ann.weight_store)
 
-    second_ctl.join_weights = join_weights
+    second_ctl.weights.join_weights = join_weights
     second = h.start(second_ctl)
     runner.join(120)
     assert not runner.is_alive()
@@ -280,8 +280,8 @@ def test_the_trainer_waits_for_stragglers_instead_of_dropping_them(tmp_path) -> 
     h = Harness(tmp_path, 12, "run.checkpoint_every_n_steps=100")
     ctl = h.controller(0)
     slow = _Stragglers(0)
-    ctl.run_episode, ctl.score = slow.run_episode, slow.score
-    ctl.apply_weights = slow.apply_weights
+    ctl.episodes.run_episode, ctl.episodes.score = slow.run_episode, slow.score
+    ctl.weights.apply = slow.apply_weights
     h.start(ctl)
     summary, recs = h.finish()
     steps = [r for r in recs if r["kind"] == "train_step"]
@@ -293,7 +293,7 @@ def test_the_trainer_waits_for_stragglers_instead_of_dropping_them(tmp_path) -> 
 def test_a_hung_episode_times_out_as_failed_and_frees_the_trainer(tmp_path) -> None:
     h = Harness(tmp_path, 4, "run.checkpoint_every_n_steps=100")
     ctl = h.controller(0)
-    ctl.episode_timeout_s = 1.0
+    ctl.episodes.timeout_s = 1.0
     fake = FakeRollout(0)
 
     async def hangs_sometimes(row, sampling, eid):  # noqa: ANN001, ANN202
@@ -301,7 +301,7 @@ def test_a_hung_episode_times_out_as_failed_and_frees_the_trainer(tmp_path) -> N
             await asyncio.sleep(3600)  # a hung tool
         return await fake.run_episode(row, sampling, eid)
 
-    ctl.run_episode, ctl.score, ctl.apply_weights = hangs_sometimes, fake.score, fake.apply_weights
+    ctl.episodes.run_episode, ctl.episodes.score, ctl.weights.apply = hangs_sometimes, fake.score, fake.apply_weights
     h.start(ctl)
     t0 = time.time()
     summary, recs = h.finish()

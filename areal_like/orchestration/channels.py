@@ -17,6 +17,8 @@
   puller below which seq nothing will come again, so a given-up frame never stalls
   the acknowledgements.
 - control: trainer PUB → rollout SUB. Version announcements (with weight metadata).
+  The subscriber is asyncio-native (`zmq.asyncio`): the rollout side awaits it on the
+  event loop its controller runs on.
   PUB/SUB drops messages sent before a subscriber connects ("slow joiner"), so the
   trainer re-publishes its latest announcement periodically; announcements carry
   cumulative counts, so repeats are harmless.
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+import zmq.asyncio
 from pydantic import BaseModel
 
 from areal_like.core.types import RolloutStats, TrajectoryGroup, VersionAnnouncement
@@ -191,13 +194,6 @@ class _Channel:
                          f"a {type(msg).__name__} on {self.notes.what}, where it does not belong")
             return None
         return msg
-
-    def recv(self, timeout_s: float) -> Any | None:
-        """One valid message, or None on timeout or for a refused frame (counted)."""
-        if not self.sock.poll(int(timeout_s * 1000)):
-            self.notes.tick()
-            return None
-        return self._parse(self.sock.recv_multipart())
 
     def close(self) -> None:
         self.sock.close(0)
@@ -537,14 +533,24 @@ class ControlPublisher(_Channel):
 
 
 class ControlSubscriber(_Channel):
-    """Rollout side of the control channel (connects)."""
+    """Rollout side of the control channel (connects), asyncio-native (`zmq.asyncio`):
+    `await recv(...)` on the rollout side's event loop, beside the controller, with no
+    thread in between (`bridge.TrainerLink`)."""
 
     accepts = (VersionAnnouncement,)
+    sock: zmq.asyncio.Socket
 
     def __init__(self, addr: str, secret: str | None = None) -> None:
         super().__init__(secret, 64 << 20, what=f"the control channel ({addr})")
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.asyncio.Context.instance()
         self.sock = self._ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(addr)
+
+    async def recv(self, timeout_s: float) -> VersionAnnouncement | None:
+        """One valid announcement, or None on timeout or for a refused frame (counted)."""
+        if not await self.sock.poll(int(timeout_s * 1000)):
+            self.notes.tick()
+            return None
+        return self._parse(await self.sock.recv_multipart())

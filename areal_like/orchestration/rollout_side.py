@@ -1,4 +1,5 @@
-"""The rollout cluster's process: servers, agent runner, data, gate and the controller.
+"""The rollout cluster's process: servers, agent runner, data, gate, the controller, and
+its link to the trainer.
 
 `RolloutSide.run()` starts one actor per inference server (`server_pool`), builds
 the agent runner, data and gate, connects to the trainer at
@@ -6,7 +7,15 @@ the agent runner, data and gate, connects to the trainer at
 `RolloutController` until the trainer announces the end. The controller is handed
 plain callables (`run_episode`, `score`, `send`, `apply_weights`, `join_weights`,
 `counters`) and knows nothing of servers, sockets or transports; this class owns those.
-Weights never pass through here: each server receives them from the trainer itself.
+Weights never pass through here: each server receives them from the trainer itself
+(`server_pool.ServerWeights` loads them and handles the servers that fail a version).
+
+`drive_rollout` runs the controller beside `TrainerLink.listen`, a task on the same event
+loop: it awaits the asyncio-native control subscriber (`zmq.asyncio`, no thread), hands
+each announcement to the controller, passes the acknowledgements it carries to the data
+pusher (which then resends what a reconnect may have lost) and judges the trainer's
+silence. Sends go through `asyncio.to_thread` (`make_sender`) so a slow trainer
+back-pressures one group, never the event loop. docs/design.md §10.22 draws the cycle.
 """
 
 from __future__ import annotations
@@ -14,12 +23,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
 
 from areal_like.core.config import ConfigError, ExperimentConfig
-from areal_like.core.types import RolloutCounters, SamplingParams, VersionAnnouncement, WeightUpdateMeta
+from areal_like.core.types import RolloutCounters, SamplingParams, VersionAnnouncement
 
-__all__ = ["RolloutSide"]
+if TYPE_CHECKING:
+    from areal_like.orchestration.channels import ControlSubscriber, DataPusher
+    from areal_like.orchestration.rollout_controller import RolloutController
+
+__all__ = ["RolloutSide", "TrainerLink", "TrainerLostError", "drive_rollout", "make_sender"]
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +74,8 @@ class RolloutSide:
         self.pool: Any = None
         self.manager: Any = None  # a `ServerManager` once the servers are built
         self.runner: Any = None  # the `AgentRunner` over them
+        self.weights: Any = None  # a `ServerWeights` once the servers are built
         self._rates = _Rates()
-        self._weights_lock = asyncio.Lock()
-        self._version = 0
-        self._weights_epoch = 0
-        """The trainer epoch of `_version` (a newer one's lower numbers replace it)."""
-        self._lagging: set[str] = set()
-        """Servers that missed the version the others serve: out of rotation until they
-        receive a later one (they must not start episodes on older weights)."""
 
     def run(self) -> dict[str, Any]:
         self.launcher.up()  # running alone (`areal-like rollout`): Ray starts, or joins its cluster, here
@@ -76,7 +85,6 @@ class RolloutSide:
             self.launcher.shutdown()
 
     async def main(self) -> dict[str, Any]:
-        from areal_like.orchestration.bridge import drive_rollout, make_sender
         from areal_like.orchestration.channels import ControlSubscriber, DataPusher
         from areal_like.orchestration.fail_fast import FailFast
         from areal_like.orchestration.rollout_controller import RolloutController
@@ -108,7 +116,7 @@ class RolloutSide:
                 run_episode=runner.run_episode,
                 score=runner.score,
                 send=make_sender(pusher),
-                apply_weights=self.apply_weights,
+                apply_weights=self.weights.apply,
                 join_weights=self.join_weights,
                 hold_servers=self.pool.hold,
                 counters=self.counters,
@@ -137,7 +145,8 @@ class RolloutSide:
                 if ch is not None:
                     ch.close()
             self.launcher.remove(own_pg)
-        return {"started": controller.started, "cancelled": controller.cancelled, **controller.outcomes,
+        book = controller.book
+        return {"started": book.started, "cancelled": book.cancelled, **book.outcomes,
                 "servers": {n: s.model_dump() for n, s in self.pool.per_server().items()}}
 
     async def _no_restarts_once(self, controller: Any) -> None:
@@ -151,7 +160,7 @@ class RolloutSide:
     async def _build_servers_and_runner(self) -> Any:
         from areal_like.models.tiny_model import load_tokenizer
         from areal_like.orchestration.preflight import resolve_model_path
-        from areal_like.orchestration.server_pool import ServerPool
+        from areal_like.orchestration.server_pool import ServerPool, ServerWeights
         from rollout_cluster.agent_loop.runner import AgentRunner
         from rollout_cluster.server_manager import ServerManager
 
@@ -160,22 +169,17 @@ class RolloutSide:
         self.tokenizer = load_tokenizer(model_path)
         self.pool = ServerPool(cfg, model_path, self.placement_group, launcher=self.launcher)
         servers = await self.pool.start()
-        self.manager = ServerManager(
+        self.weights = ServerWeights(self.pool)
+        self.manager = self.weights.manager = ServerManager(
             servers,
             max_sticky_sessions=cfg.rollout.max_sticky_sessions,
-            restart=self._restart_server, max_restarts=cfg.rollout.server_restarts,
+            restart=self.weights.restart, max_restarts=cfg.rollout.server_restarts,
             restart_backoff_s=cfg.rollout.server_restart_backoff_s,
             on_server_failure=lambda name, _e: self.pool.mark_dead(name),
         )
         self.pool.on_death = self.manager.mark_failed  # found dead by the metrics poll
         overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}
         return AgentRunner.from_config(cfg, server_manager=self.manager, tokenizer=self.tokenizer, **overrides)
-
-    async def _restart_server(self, name: str, error: BaseException) -> Any:
-        """The server manager's restart hook: a fresh server actor in the dead one's bundle,
-        serving the version the others serve before it takes any call."""
-        self._lagging.discard(name)
-        return await self.pool.restart(name, error, self._version)
 
     def _build_source(self, runner: Any) -> Any:
         from areal_like.orchestration.dataset import PromptSource, load_rows
@@ -214,40 +218,6 @@ class RolloutSide:
         return StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent)
 
     # ---- what the controller calls ---------------------------------------------------------
-    async def apply_weights(self, meta: WeightUpdateMeta) -> int:
-        """Every server receives version `meta.version` from the trainer itself (each
-        interrupts, drops its KV, loads, re-prefills and resumes by itself). Returns the
-        version once at least one server serves it; a server that missed it leaves
-        rotation until it receives a later one, a dead one is restarted."""
-        from weight_sync.meta import WeightSyncError
-
-        async with self._weights_lock:
-            ok, failed = await self.pool.receive(meta)
-            for name, e in failed.items():
-                if _is_server_death(e):  # its process, or its engine (vLLM's engine core) died
-                    self.manager.mark_failed(name, e)
-                elif ok and name in self.manager.server_names:
-                    log.warning("rollout server %s missed v%d (%s); out of rotation until it receives a later "
-                                "version", name, meta.version, _headline(e))
-                    self.manager.remove_server(name)
-                    self._lagging.add(name)
-            if not ok:
-                first = next(iter(failed.values()), None)
-                none_left = self.manager.none_left()
-                if none_left is not None:  # dead, and its restarts are spent: nothing can serve
-                    raise none_left
-                raise WeightSyncError(f"no rollout server loaded v{meta.version}: "
-                                      f"{_headline(first) if first else 'no server is alive'}")
-            for name in list(self._lagging):
-                if name in ok:  # caught up: back into rotation
-                    self._lagging.discard(name)
-                    if name not in self.manager.server_names:
-                        self.manager.add_server(self.pool._adapter(name), name=name)
-            if meta.epoch != self._weights_epoch:  # a resumed trainer: its numbers start again
-                self._weights_epoch, self._version = meta.epoch, -1
-            self._version = max(self._version, *ok.values())
-        return self._version
-
     async def join_weights(self, ann: VersionAnnouncement) -> None:
         if ann.weight_store:
             await self.pool.join(ann.weight_store)
@@ -295,21 +265,156 @@ class RolloutSide:
         )
 
 
-def _is_server_death(error: BaseException) -> bool:
-    """The server is gone (its actor) or can serve nothing again (its engine is dead):
-    restart it, as a failed `generate` would, rather than wait for a later version."""
-    from areal_like.launcher import is_actor_death
-    from rollout_cluster.engine.base import EngineDeadError
+# ---- the link to the trainer ---------------------------------------------------------------
+def make_sender(pusher: DataPusher, timeout_s: float = 120.0) -> Any:
+    async def send(msg: BaseModel) -> None:
+        await asyncio.to_thread(pusher.send, msg, timeout_s)
 
-    cause = getattr(error, "cause", None)  # an `ActorCallError` carries what the actor raised
-    return is_actor_death(error) or isinstance(error, EngineDeadError) or isinstance(cause, EngineDeadError)
+    return send
 
 
-def _headline(error: BaseException) -> str:
-    from rollout_cluster.server_manager import error_headline
+class TrainerLostError(RuntimeError):
+    """The trainer went silent past `transport.peer_timeout_s`."""
 
-    cause = getattr(error, "cause", None)
-    return error_headline(cause if isinstance(cause, BaseException) else error)
+
+class TrainerLink:
+    """The control channel's listener (a task on the controller's loop): announcements
+    into `controller.announcements`, their acknowledgements to `pusher`, and the verdict
+    on the trainer's silence (`lost`, the reason it gave up, once it has)."""
+
+    def __init__(self, controller: RolloutController, subscriber: ControlSubscriber, *,
+                 peer_timeout_s: float | None, peer_dead_s: float | None, address: str,
+                 pusher: DataPusher | None, started_at: float | None) -> None:
+        self.controller = controller
+        self.subscriber = subscriber
+        self.peer_timeout_s = peer_timeout_s
+        self.peer_dead_s = peer_dead_s
+        self.address = address
+        self.pusher = pusher
+        self.started = time.monotonic() if started_at is None else started_at  # (a time.monotonic() value)
+        self.lost: str | None = None
+
+    async def listen(self) -> str | None:
+        """Until the trainer is lost (returns why) or the task is cancelled."""
+        ctl, pusher = self.controller, self.pusher
+        last: float | None = None
+        gone = False
+        next_note = self.started + 10.0
+        while True:
+            msg = await self.subscriber.recv(0.2)
+            now = time.monotonic()
+            if pusher is not None:
+                if isinstance(msg, VersionAnnouncement) and msg.run_id == ctl.follow.run_id:
+                    pusher.ack(msg.epoch, msg.acked.get(ctl.follow.sender, []))
+                pusher.maintain()
+            if isinstance(msg, VersionAnnouncement):
+                if gone:
+                    log.warning("the trainer is back after %.0fs of silence", now - (last or now))
+                    gone = False
+                last = now
+                ctl.announcements.put_nowait(msg)
+                continue
+            if msg is not None:
+                log.warning("unexpected message on the control channel: %s", type(msg).__name__)
+                continue
+            if last is None:
+                if now >= next_note:
+                    next_note = now + 10.0
+                    log.warning("no trainer has answered at %s for %.0fs (is `areal-like train` running there?); "
+                                "waiting up to transport.peer_timeout_s", self.address, now - self.started)
+                if self.peer_timeout_s is not None and now - self.started > self.peer_timeout_s:
+                    self.lost = (f"no trainer answered at {self.address} within {now - self.started:.0f}s "
+                                 "(transport.peer_timeout_s): check transport.control_addr and that the trainer runs")
+                    return self.lost
+                continue
+            silent = now - last
+            if self.peer_dead_s is not None and not gone and silent > self.peer_dead_s:
+                gone = True
+                log.error("the trainer has been silent for %.0fs (transport.peer_dead_s): declared gone; "
+                          "waiting up to transport.peer_timeout_s for it to come back", silent)
+            if self.peer_timeout_s is not None and silent > self.peer_timeout_s:
+                log.error("no announcement from the trainer for %.0fs (transport.peer_timeout_s): stopping", silent)
+                self.lost = _lost_message(silent)
+                return self.lost
+
+
+async def drive_rollout(controller: RolloutController, subscriber: ControlSubscriber,
+                        peer_timeout_s: float | None = None, peer_dead_s: float | None = None,
+                        address: str = "the control address", pusher: DataPusher | None = None,
+                        flush_s: float = 7.0, started_at: float | None = None) -> None:
+    """Run the controller until the trainer says goodbye (or the task is cancelled).
+
+    The trainer heartbeats every couple of seconds. Silence longer than `peer_dead_s`
+    is logged at once (the trainer is declared gone); the controller keeps its state
+    and goes on if the trainer comes back (a restarted trainer re-bases it through a
+    newer epoch). Silence longer than `peer_timeout_s` — or no trainer ever heard at
+    `address` for that long, counted from `started_at` (a `time.monotonic()` value; the
+    rollout side's start, default now) — stops the controller and raises `TrainerLostError`.
+
+    With the data channel's `pusher`, the announcements' acknowledgements release its
+    frames, it resends what a reconnect may have lost, and a normal stop waits up to
+    `flush_s` for the last frames (the final report) to be acknowledged.
+
+    Giving up stops the controller; one that has not begun its schedule yet (still
+    waiting for its first announcement, or for the weights that one named: a queue `get`
+    that `stop()` does not wake) is cancelled instead, as it has nothing to wind down.
+    """
+    gave_up = False
+    run_task: asyncio.Future[None] = asyncio.ensure_future(controller.run())
+    link = TrainerLink(controller, subscriber, peer_timeout_s=peer_timeout_s, peer_dead_s=peer_dead_s,
+                       address=address, pusher=pusher, started_at=started_at)
+
+    def give_up(task: asyncio.Task[str | None]) -> None:
+        nonlocal gave_up
+        if task.cancelled() or task.exception() is not None or task.result() is None:
+            if not task.cancelled() and task.exception() is not None:  # a bug in the listener: stop, say why
+                log.error("the control channel's listener failed: %r", task.exception())
+                controller.stop()
+            return
+        controller.stop()
+        if not run_task.done() and not _schedule_running():
+            gave_up = True
+            run_task.cancel()
+
+    listener = asyncio.create_task(link.listen(), name="control-sub")
+    listener.add_done_callback(give_up)
+    try:
+        try:
+            await run_task
+        except asyncio.CancelledError:
+            if gave_up and link.lost:  # we cancelled it (not a Ctrl-C): the trainer is lost
+                raise TrainerLostError(link.lost) from None
+            raise
+        if pusher is not None and not link.lost:
+            left = await asyncio.to_thread(pusher.flush, flush_s)
+            if left:
+                log.warning("%d data frames were not acknowledged by the trainer within %.0fs of stopping", left, flush_s)
+    except TrainerLostError:
+        raise
+    except Exception as e:
+        if link.lost:
+            raise TrainerLostError(link.lost) from e
+        raise
+    finally:
+        if not run_task.done():  # drive_rollout itself was cancelled before the controller began
+            run_task.cancel()
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+    if link.lost:
+        raise TrainerLostError(link.lost)
+    if not listener.cancelled() and listener.exception() is not None:
+        raise listener.exception()  # type: ignore[misc]
+
+
+def _schedule_running() -> bool:
+    """Whether the controller has begun its schedule: its control task exists once the
+    first announcement (and the weights it names) are through (`RolloutController.run`)."""
+    return any(t.get_name() == "rollout-control" and not t.done() for t in asyncio.all_tasks())
+
+
+def _lost_message(silent_s: float) -> str:
+    return (f"the trainer has announced nothing for {silent_s:.0f}s (transport.peer_timeout_s); it is gone or "
+            "stuck, so the rollout side stopped. Restart both sides with --resume.")
 
 
 class _Rates:

@@ -7,6 +7,7 @@ routing, tells every server to join the weight
 group and to receive each version (the bytes go from the trainer's rank 0 straight into
 each server, never through this process), restarts a dead server in its own bundle, and
 polls metrics in the background so the controller's counters never wait on an actor.
+`ServerWeights` loads each version onto the pool and handles the servers that fail it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from areal_like.core.config import ExperimentConfig
 from areal_like.core.logs import run_log_path
 from areal_like.core.types import ServerCounters, WeightUpdateMeta
 
-__all__ = ["ServerPool"]
+__all__ = ["ServerPool", "ServerWeights"]
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +243,84 @@ class ServerPool:
             self.launcher.kill(h)
         self.actors.clear()
         self._alive.clear()
+
+
+class ServerWeights:
+    """Weights onto the pool, and what a failed update means for each server (the
+    rollout side's server-failure handling at a weight update): `apply` returns the
+    version once at least one server serves it; a server that missed it leaves rotation
+    until it receives a later one (it must not start episodes on older weights); a dead
+    one is restarted by the server manager (`restart`: in its bundle, with the version
+    the others serve). `manager` is the `ServerManager` routing over the pool, set once
+    it is built (its restart hook is `restart`)."""
+
+    def __init__(self, pool: ServerPool) -> None:
+        self.pool = pool
+        self.manager: Any = None
+        self.version = 0
+        """The version the pool serves (what a restarted server must load before serving)."""
+        self._epoch = 0
+        """The trainer epoch of `version` (a newer one's lower numbers replace it)."""
+        self._lock = asyncio.Lock()
+        self._lagging: set[str] = set()
+        """Servers that missed the version the others serve: out of rotation until they
+        receive a later one."""
+
+    async def apply(self, meta: WeightUpdateMeta) -> int:
+        """Every server receives version `meta.version` from the trainer itself (each
+        interrupts, drops its KV, loads, re-prefills and resumes by itself)."""
+        from weight_sync.meta import WeightSyncError
+
+        manager = self.manager
+        async with self._lock:
+            ok, failed = await self.pool.receive(meta)
+            for name, e in failed.items():
+                if _is_server_death(e):  # its process, or its engine (vLLM's engine core) died
+                    manager.mark_failed(name, e)
+                elif ok and name in manager.server_names:
+                    log.warning("rollout server %s missed v%d (%s); out of rotation until it receives a later "
+                                "version", name, meta.version, _headline(e))
+                    manager.remove_server(name)
+                    self._lagging.add(name)
+            if not ok:
+                first = next(iter(failed.values()), None)
+                none_left = manager.none_left()
+                if none_left is not None:  # dead, and its restarts are spent: nothing can serve
+                    raise none_left
+                raise WeightSyncError(f"no rollout server loaded v{meta.version}: "
+                                      f"{_headline(first) if first else 'no server is alive'}")
+            for name in list(self._lagging):
+                if name in ok:  # caught up: back into rotation
+                    self._lagging.discard(name)
+                    if name not in manager.server_names:
+                        manager.add_server(self.pool._adapter(name), name=name)
+            if meta.epoch != self._epoch:  # a resumed trainer: its numbers start again
+                self._epoch, self.version = meta.epoch, -1
+            self.version = max(self.version, *ok.values())
+        return self.version
+
+    async def restart(self, name: str, error: BaseException) -> Any:
+        """The server manager's restart hook: a fresh server actor in the dead one's bundle,
+        serving the version the others serve before it takes any call."""
+        self._lagging.discard(name)
+        return await self.pool.restart(name, error, self.version)
+
+
+def _is_server_death(error: BaseException) -> bool:
+    """The server is gone (its actor) or can serve nothing again (its engine is dead):
+    restart it, as a failed `generate` would, rather than wait for a later version."""
+    from areal_like.launcher import is_actor_death
+    from rollout_cluster.engine.base import EngineDeadError
+
+    cause = getattr(error, "cause", None)  # an `ActorCallError` carries what the actor raised
+    return is_actor_death(error) or isinstance(error, EngineDeadError) or isinstance(cause, EngineDeadError)
+
+
+def _headline(error: BaseException) -> str:
+    from rollout_cluster.server_manager import error_headline
+
+    cause = getattr(error, "cause", None)
+    return error_headline(cause if isinstance(cause, BaseException) else error)
 
 
 def _first_line(error: BaseException) -> str:
