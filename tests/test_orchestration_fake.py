@@ -51,6 +51,11 @@ class FakeTrainer:
     def named_weights(self):
         yield "w", self.w
 
+    def export_weights(self, path):
+        from areal_like.models.hf_folder import write_hf_weights
+
+        return write_hf_weights(path, self.named_weights())
+
     def save(self, path, extra=None):
         path.mkdir(parents=True, exist_ok=True)
         torch.save({"version": self.version, "w": self.w, "extra": extra}, path / "state.pt")

@@ -200,7 +200,7 @@ def train(
     _console(cfg)
     _preflight(cfg, "train", resume, overwrite)
     try:
-        launcher = open_launcher(cfg, kind="ray")  # the train side alone runs on Ray (as it always has)
+        launcher = open_launcher(cfg)  # cluster.launcher, as for `run` (auto: local unless something needs Ray)
         launcher.up()
         progress = _progress(cfg)
         side = TrainerSide(cfg, resume=resume, overwrite=overwrite, on_step=progress, launcher=launcher)

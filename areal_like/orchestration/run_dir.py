@@ -247,19 +247,17 @@ class RunDir:
 def save_hf_folder(out: Path, source: Any, model_path: str | Path) -> Path:
     """An HF folder: the config/tokenizer files of `model_path` plus the weights of `source`.
 
-    A trainer with `export_weights(path)` (the train workers, or an engine in this process)
-    writes the weights itself: this process hands it a path and never holds the model. A
-    mapping of tensors, or a trainer with only `named_weights()`, is streamed here, one
-    tensor at a time into bounded shards (`areal_like.models.hf_folder`)."""
+    A trainer (`TrainerHandle.export_weights`: the train workers, or an engine in this
+    process) writes the weights itself: this process hands it a path and never holds the
+    model. A mapping of tensors is streamed here, one tensor at a time into bounded shards
+    (`areal_like.models.hf_folder`)."""
     from areal_like.models.hf_folder import write_hf_weights
 
     def weights(tmp: Path) -> None:
-        if hasattr(source, "export_weights"):
-            source.export_weights(tmp)
-        elif isinstance(source, Mapping):
+        if isinstance(source, Mapping):
             write_hf_weights(tmp, source.items())
         else:
-            write_hf_weights(tmp, source.named_weights())
+            source.export_weights(tmp)
 
     return _write_hf_folder(out, model_path, weights)
 

@@ -81,9 +81,13 @@ class TrainerHandle(Protocol):
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """For a trainer in this process only. One that also has `export_weights(path)` (the
-        train workers, an engine) writes the final export and recorded weights itself, and
-        `run_dir.save_hf_folder` never calls this (the weights stay with the workers)."""
+        """For a trainer in this process only (tests, the weight senders that live with it)."""
+        ...
+
+    def export_weights(self, path: str | Path) -> Any:
+        """Write the current weights as HF safetensors under the folder `path`: the final
+        export and recorded weights (`run_dir.save_hf_folder`). The train workers write
+        them themselves, so the weights never pass through this process."""
         ...
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None: ...
