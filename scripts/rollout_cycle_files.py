@@ -35,7 +35,7 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
     os.chdir(root)
     from areal_like.core.staleness import StalenessGate
     from areal_like.core.types import SamplingParams, TrajectoryGroup, VersionAnnouncement, WeightUpdateMeta
-    from areal_like.orchestration.bridge import drive_rollout, make_sender
+    from areal_like.orchestration.rollout_side import drive_rollout, make_sender
     from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
     from areal_like.orchestration.dataset import PromptSource
     from areal_like.orchestration.rollout_controller import RolloutController

@@ -178,3 +178,47 @@ def test_a_ray_ref_raises_the_launchers_error_when_awaited() -> None:
         asyncio.run(result(rx.RayTaskError("generate", "tb", ValueError("too long"), pid=1)))
     with pytest.raises(ActorDied):
         asyncio.run(result(rx.ActorDiedError()))
+
+
+@pytest.mark.timeout(600)
+def test_train_and_rollout_in_two_shells_follow_cluster_launcher(tiny_model_dir, tmp_path) -> None:
+    """`areal-like train` and `areal-like rollout`, started in two shells, use the launcher
+    `cluster.launcher` picks, as `run` and the API do (#32): for the quickstart on CPU that
+    is `local` (plain processes, no Ray), so the servers report the local node and the
+    trainer passes no `ray` start-up phase."""
+    import json
+    import os
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    socks = [socket.socket() for _ in range(3)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    data, control, store = (s.getsockname()[1] for s in socks)
+    for s in socks:
+        s.close()
+    run_dir = tmp_path / "run"
+    sets = [f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.total_steps=2", "train.batch_size=2",
+            "rollout.group_size=4", "rollout.response_length=16", "staleness.filter_uniform_groups=false",
+            "eval.every_n_steps=0", f"transport.data_addr=tcp://127.0.0.1:{data}",
+            f"transport.control_addr=tcp://127.0.0.1:{control}", f"weight_sync.store_addr=127.0.0.1:{store}"]
+    args = ["configs/quickstart.yaml", *[x for s in sets for x in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    cli = [sys.executable, "-m", "areal_like.orchestration.cli"]
+    with open(tmp_path / "train.log", "w") as tlog, open(tmp_path / "rollout.log", "w") as rlog:
+        trainer = subprocess.Popen([*cli, "train", *args], cwd=root, env=env, stdout=tlog, stderr=subprocess.STDOUT)
+        rollout = subprocess.Popen([*cli, "rollout", *args], cwd=root, env=env, stdout=rlog, stderr=subprocess.STDOUT)
+        try:
+            assert rollout.wait(timeout=480) == 0, (tmp_path / "rollout.log").read_text()[-3000:]
+            assert trainer.wait(timeout=120) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        finally:
+            for p in (trainer, rollout):
+                if p.poll() is None:
+                    p.kill()
+    stopped = [ln for ln in (tmp_path / "rollout.log").read_text().splitlines() if "rollout side stopped" in ln]
+    assert stopped and "'node': 'local'" in stopped[-1]
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    phases = {k for r in records if r.get("kind") == "startup" for k in r}
+    assert "train_workers" in phases and "ray" not in phases

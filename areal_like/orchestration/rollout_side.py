@@ -43,8 +43,9 @@ class RolloutSide:
     """The rollout cluster: this controller (gate, data, agent loops, server manager) in
     one process or actor, and one actor per inference server (docs/design.md §10.2),
     placed in the rollout pool's placement group (given, or made here when the rollout
-    side runs alone). `launcher` starts the servers (`areal_like.launcher`); without one,
-    an embedded Ray or the cluster at `cluster.ray_address` (`areal-like rollout`)."""
+    side runs alone). `launcher` starts the servers (`areal_like.launcher`); without one
+    (`areal-like rollout`), the one `cluster.launcher` picks, as for `run`: plain processes
+    on this machine, or Ray (embedded, or the cluster at `cluster.ray_address`)."""
 
     def __init__(self, cfg: ExperimentConfig, data_addr: str | None = None, control_addr: str | None = None,
                  user: dict[str, Any] | None = None, placement_group: Any = None, launcher: Any = None) -> None:
@@ -55,7 +56,7 @@ class RolloutSide:
         if launcher is None:
             from areal_like.launcher import open_launcher
 
-            launcher = open_launcher(cfg, kind="ray", num_cpus=cfg.cluster.rollout_pool.num_cpus)
+            launcher = open_launcher(cfg, num_cpus=cfg.cluster.rollout_pool.num_cpus)
         self.launcher = launcher
         """Who starts the servers (`areal_like.launcher`); `run` brings it up and shuts down
         what it started (nothing, for a launcher an actor connected to)."""
