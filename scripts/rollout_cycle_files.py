@@ -35,11 +35,15 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
     os.chdir(root)
     from areal_like.core.staleness import StalenessGate
     from areal_like.core.types import SamplingParams, TrajectoryGroup, VersionAnnouncement, WeightUpdateMeta
-    from areal_like.orchestration.rollout_side import drive_rollout, make_sender
     from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
     from areal_like.orchestration.dataset import PromptSource
     from areal_like.orchestration.rollout_controller import RolloutController
     from tests.test_rollout_controller import FakeRollout, _rows
+
+    try:
+        from areal_like.orchestration.rollout_side import drive_rollout, make_sender
+    except ImportError:  # a revision before #32 item 2: the bridge module had them
+        from areal_like.orchestration.bridge import drive_rollout, make_sender  # type: ignore[no-redef]
 
     files: set[str] = set()
     recording = threading.Event()

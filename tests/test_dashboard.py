@@ -99,7 +99,7 @@ def feed_synthetic_run(mlog: MetricsLog, registry: MetricsRegistry, *, steps: in
                     dst[k] = dst.get(k, 0) + n
             c["trained"] += batch
             for r in rewards:
-                registry.reward.observe(r)
+                registry.samples.reward.observe(r)
             out.rewards.extend(rewards)
         new_v = v - 1 if skipped else v
         rec = {
@@ -116,11 +116,11 @@ def feed_synthetic_run(mlog: MetricsLog, registry: MetricsRegistry, *, steps: in
         if not skipped:
             rec["weight_sync_s"] = 0.05 + rng.uniform(0, 0.05)
             rec["weight_sync_bytes"] = 18_000_000
-        registry.trainer_version.set(new_v)
-        registry.reward_mean.set(rec["reward_mean"])
-        registry.buffer_depth.set(rec["buffer_depth"])
+        registry.versions.trainer_version.set(new_v)
+        registry.samples.reward_mean.set(rec["reward_mean"])
+        registry.samples.buffer_depth.set(rec["buffer_depth"])
         for h in heads:
-            registry.head_lag.observe(h)
+            registry.versions.head_lag.observe(h)
         _write(mlog, t, "train_step", new_v, **rec)
         out.steps += 1
         out.times.append(t)
@@ -130,8 +130,8 @@ def feed_synthetic_run(mlog: MetricsLog, registry: MetricsRegistry, *, steps: in
             _write(mlog, t, "eval", new_v, version=v - 1, accuracy=acc, reward_mean=acc, seconds=2.0, num_samples=128.0)
             out.evals.append(acc)
             out.times.append(t)
-    registry.server_version.labels(server="rollout").set(start_step + steps - 2)
-    registry.gate.labels(state="capacity").set(out.last_rollout["gate_capacity"])
+    registry.versions.server_version.labels(server="rollout").set(start_step + steps - 2)
+    registry.samples.gate.labels(state="capacity").set(out.last_rollout["gate_capacity"])
     if summary:
         t += 0.5
         last_v = start_step + steps - 1

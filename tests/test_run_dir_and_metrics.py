@@ -56,9 +56,9 @@ def test_metrics_jsonl_lines_have_required_fields(tmp_path) -> None:
 
 def test_prometheus_exposition_parses() -> None:
     m = MetricsRegistry()
-    m.trainer_version.set(3)
-    m.server_version.labels(server="0").set(2)
-    m.head_lag.observe(1)
-    m.gate.labels(state="running").set(5)
+    m.versions.trainer_version.set(3)
+    m.versions.server_version.labels(server="0").set(2)
+    m.versions.head_lag.observe(1)
+    m.samples.gate.labels(state="running").set(5)
     names = {f.name for f in text_string_to_metric_families(m.exposition().decode())}
     assert {"areal_like_trainer_version", "areal_like_server_version", "areal_like_version_lag_head"} <= names

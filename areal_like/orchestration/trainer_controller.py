@@ -466,7 +466,7 @@ class TrainerController:
                 self.buffer.put_invalid(msg)
                 return
             self.rules.signal.group(msg, self.buffer.put(msg))
-            self.telemetry.m.buffer_depth.set(self.buffer.depth)
+            self.telemetry.m.samples.buffer_depth.set(self.buffer.depth)
         elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
             self.telemetry.evaluation(msg, self.trainer.version)
             log.info("eval at v%d: accuracy %.3f", msg.loaded_version, msg.eval.accuracy)

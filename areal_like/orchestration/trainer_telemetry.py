@@ -61,32 +61,32 @@ class TrainerTelemetry:
             **{k: x for k, x in stats.items() if k != "version"},
         }
         for lag in head_lags:
-            self.m.head_lag.observe(lag)
+            self.m.versions.head_lag.observe(lag)
         for lag in token_lags:
-            self.m.token_lag.observe(lag)
+            self.m.versions.token_lag.observe(lag)
         for r in rewards:
-            self.m.reward.observe(r)
-        self.m.reward_mean.set(rec["reward_mean"])
-        self.m.trainer_version.set(new_v)
-        self.m.train_tokens.inc(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
+            self.m.samples.reward.observe(r)
+        self.m.samples.reward_mean.set(rec["reward_mean"])
+        self.m.versions.trainer_version.set(new_v)
+        self.m.training.train_tokens.inc(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs))
         if "behav_prox_gap" in stats:
-            self.m.logprob_gap.set(stats["behav_prox_gap"])
+            self.m.training.logprob_gap.set(stats["behav_prox_gap"])
         for stat in ("behav_weight_mean", "behav_weight_max", "behav_capped", "behav_masked"):
             if stat in stats:
-                self.m.iw.labels(stat=stat.removeprefix("behav_")).set(stats[stat])
+                self.m.training.iw.labels(stat=stat.removeprefix("behav_")).set(stats[stat])
         if "tokens_per_s" in stats:
-            self.m.tokens_per_s.labels(pool="train").set(stats["tokens_per_s"])
+            self.m.pools.tokens_per_s.labels(pool="train").set(stats["tokens_per_s"])
         for k, n in buffer.summary(0, 0).items():
             if k not in ("started", "cancelled"):
-                self.m.outcomes.labels(outcome=k).set(n)
+                self.m.samples.outcomes.labels(outcome=k).set(n)
         return rec
 
     def weight_sync(self, rec: dict[str, Any], seconds: float, done: Any) -> None:
         rec["weight_sync_s"] = seconds
         if done is not None and done.bytes:
             rec["weight_sync_bytes"] = done.bytes
-            self.m.sync_bytes.inc(done.bytes)
-            self.m.sync_seconds.observe(done.seconds)
+            self.m.training.sync_bytes.inc(done.bytes)
+            self.m.training.sync_seconds.observe(done.seconds)
 
     def idle_ratio(self) -> float:
         return self.idle_s / max(self.idle_s + self.busy_s, 1e-9)
@@ -98,13 +98,13 @@ class TrainerTelemetry:
         if rollout_version is not None:
             rec["rollout_version"] = rollout_version
         rec["trainer_idle_ratio"] = trainer_idle_ratio
-        self.m.idle_ratio.labels(pool="train").set(trainer_idle_ratio)
+        self.m.pools.idle_ratio.labels(pool="train").set(trainer_idle_ratio)
         rec.pop("cpu_s", None)  # rank 0's own total: train_cpu_s sums every rank
         if "train_cpu_s" in rec:  # cores the train workers used since the previous step
             now, used = time.time(), float(rec["train_cpu_s"])
             if self._cpu_seen is not None and now > self._cpu_seen[0]:
                 rec["train_cores_used"] = max(0.0, (used - self._cpu_seen[1]) / (now - self._cpu_seen[0]))
-                self.m.cores_used.labels(pool="train").set(rec["train_cores_used"])
+                self.m.pools.cores_used.labels(pool="train").set(rec["train_cores_used"])
             self._cpu_seen = (now, used)
         rec.update(self._rollout_budget())
         if budget is not None:
@@ -130,10 +130,10 @@ class TrainerTelemetry:
             self._rewards_now = (msg.origin.sender, msg.outcomes.sent, msg.outcomes.reward_sum)
         self._rollout_budget_now = (msg.origin.sender if msg.origin is not None else "",
                                     {name: float(getattr(msg.counters, field)) for name, field, _ in ROLLOUT_PHASES})
-        self.m.server_version.labels(server="rollout").set(msg.loaded_version)
+        self.m.versions.server_version.labels(server="rollout").set(msg.loaded_version)
         self._counters(msg.counters)
         for k in ("running", "sent", "dropped", "consumed", "capacity"):
-            self.m.gate.labels(state=k).set(getattr(msg.gate, k))
+            self.m.samples.gate.labels(state=k).set(getattr(msg.gate, k))
         self.mlog.write("rollout", trainer_version, **msg.flat(), loaded_version=msg.loaded_version,
                         started=msg.started, episodes_running=msg.running)
 
@@ -158,8 +158,9 @@ class TrainerTelemetry:
         return rec
 
     def _counters(self, c: RolloutCounters) -> None:
-        counters = {"generated_tokens": self.m.gen_tokens, "interrupts": self.m.interrupts,
-                    "interrupted_tokens": self.m.interrupted_tokens, "recompute_tokens": self.m.recompute_tokens}
+        g = self.m.generation
+        counters = {"generated_tokens": g.gen_tokens, "interrupts": g.interrupts,
+                    "interrupted_tokens": g.interrupted_tokens, "recompute_tokens": g.recompute_tokens}
         for key, counter in counters.items():
             value = getattr(c, key)
             delta = value - self._last.get(key, 0.0)
@@ -168,10 +169,10 @@ class TrainerTelemetry:
             self._last[key] = value
         if c.interrupts > self._pauses_seen:
             self._pauses_seen = c.interrupts
-            self.m.pause_resume.observe(c.pause_resume_latency_s_max)
-        self.m.tokens_per_s.labels(pool="rollout").set(c.gen_tokens_per_s)
-        self.m.idle_ratio.labels(pool="rollout").set(c.rollout_idle_ratio)
-        self.m.cores_used.labels(pool="rollout").set(c.rollout_cores_used)
+            self.m.generation.pause_resume.observe(c.pause_resume_latency_s_max)
+        self.m.pools.tokens_per_s.labels(pool="rollout").set(c.gen_tokens_per_s)
+        self.m.pools.idle_ratio.labels(pool="rollout").set(c.rollout_idle_ratio)
+        self.m.pools.cores_used.labels(pool="rollout").set(c.rollout_cores_used)
 
 
 def _hist(values: list[int]) -> dict[str, int]:
