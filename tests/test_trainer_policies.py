@@ -13,7 +13,14 @@ import torch
 
 from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.config import load_config
-from areal_like.core.types import EvalResult, Origin, RolloutCounters, RolloutStats, WeightUpdateMeta
+from areal_like.core.types import (
+    EvalResult,
+    Origin,
+    RolloutCounters,
+    RolloutStats,
+    ServerPoolCounters,
+    WeightUpdateMeta,
+)
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_errors import RunAborted
@@ -210,7 +217,7 @@ def test_restarted_servers_and_a_joining_side_are_fed(tmp_path) -> None:
     feed.feed_joining_rollout(stopping=False)
     assert weights.published == [3]
     feed.sent_at = time.time() - 10.0
-    reports.apply(_report(seq=1, loaded_version=3, counters=RolloutCounters(servers_waiting_for_weights=1)))
+    reports.apply(_report(seq=1, loaded_version=3, counters=RolloutCounters(pool=ServerPoolCounters(servers_waiting_for_weights=1))))
     feed.feed_restarted_servers(stopping=True)  # not once the run stops
     assert weights.published == [3]
     feed.feed_restarted_servers(stopping=False)

@@ -32,6 +32,8 @@ __all__ = [
     "GateSnapshot",
     "EpisodeOutcomes",
     "RolloutCounters",
+    "RolloutSeconds",
+    "ServerPoolCounters",
     "ServerCounters",
     "EvalResult",
     "VersionAnnouncement",
@@ -337,6 +339,47 @@ class ServerCounters(_Strict):
     requests_running: float = 0.0
 
 
+class ServerPoolCounters(_Strict):
+    """The rollout side's servers: how many serve, and what failing cost (cumulative)."""
+
+    servers: float = 0.0
+    server_failures: float = 0.0
+    generate_retries: float = 0.0
+    server_restarts: float = 0.0
+    servers_waiting_for_weights: float = 0.0
+    """Restarted servers with no live sibling to copy the served version from: they wait
+    out of rotation until the trainer sends its current version again."""
+
+
+class RolloutSeconds(_Strict):
+    """The rollout side's part of the step's time budget (docs/design.md §10.19):
+    cumulative seconds by what they went to. In metrics.jsonl each is `<name>_seconds_total`."""
+
+    generate: float = 0.0
+    """The servers' engines stepping (generation, prefill and recompute), summed over
+    servers (the embedded engine; vLLM's engine core does not report it: 0)."""
+    engine_idle: float = 0.0
+    """The servers' engines had nothing to step (not counting holds), summed."""
+    weights: float = 0.0
+    """The servers receiving and loading weights, summed."""
+    agent_loop: float = 0.0
+    """Episodes in their agent loop outside generate calls and tool calls, summed over
+    episodes (loops that report `generate_s`: the built-in ones)."""
+    tools: float = 0.0
+    """Episodes in tool calls, summed over episodes."""
+    reward: float = 0.0
+    """Computing rewards, summed over episodes."""
+    send: float = 0.0
+    """The rollout controller encoding and sending to the trainer."""
+    wait_gate: float = 0.0
+    """The controller admitted nothing because η's bound was reached: it waits for the
+    trainer's next version to be loaded."""
+    wait_concurrency: float = 0.0
+    """It admitted nothing because `staleness.max_concurrent` episodes were running."""
+    wait_weights: float = 0.0
+    """It admitted nothing while awaiting a restarted trainer's weights."""
+
+
 class RolloutCounters(_Strict):
     """Engine and routing numbers of one rollout process (cumulative counters and gauges)."""
 
@@ -361,37 +404,10 @@ class RolloutCounters(_Strict):
     rollout_borrowed_thread_s: float = 0.0
     """Seconds the servers generated with threads borrowed from an idle train pool
     (`cluster.lend_idle_threads`), summed over servers."""
-    generate_seconds_total: float = 0.0
-    """The step's time budget (docs/design.md §10.19), cumulative seconds: the servers'
-    engines stepping (generation, prefill and recompute), summed over servers (the
-    embedded engine; vLLM's engine core does not report it: 0)."""
-    engine_idle_seconds_total: float = 0.0
-    """Seconds the servers' engines had nothing to step (not counting holds), summed."""
-    weights_seconds_total: float = 0.0
-    """Seconds the servers spent receiving and loading weights, summed."""
-    agent_loop_seconds_total: float = 0.0
-    """Seconds episodes spent in their agent loop outside generate calls and tool calls,
-    summed over episodes (loops that report `generate_s`: the built-in ones)."""
-    tools_seconds_total: float = 0.0
-    """Seconds episodes spent in tool calls, summed over episodes."""
-    reward_seconds_total: float = 0.0
-    """Seconds spent computing rewards, summed over episodes."""
-    send_seconds_total: float = 0.0
-    """Seconds the rollout controller spent encoding and sending to the trainer."""
-    wait_gate_seconds_total: float = 0.0
-    """Seconds the rollout controller admitted nothing because η's bound was reached: it
-    waits for the trainer's next version to be loaded."""
-    wait_concurrency_seconds_total: float = 0.0
-    """Seconds it admitted nothing because `staleness.max_concurrent` episodes were running."""
-    wait_weights_seconds_total: float = 0.0
-    """Seconds it admitted nothing while awaiting a restarted trainer's weights."""
-    servers: float = 0.0
-    server_failures: float = 0.0
-    generate_retries: float = 0.0
-    server_restarts: float = 0.0
-    servers_waiting_for_weights: float = 0.0
-    """Restarted servers with no live sibling to copy the served version from: they wait
-    out of rotation until the trainer sends its current version again."""
+    seconds: RolloutSeconds = Field(default_factory=RolloutSeconds)
+    """Where the rollout side's time went (the step's time budget)."""
+    pool: ServerPoolCounters = Field(default_factory=ServerPoolCounters)
+    """The servers' health: live, failed, restarted, waiting for weights."""
     engine: dict[str, float] = Field(default_factory=dict)
     """An engine's own numbers beside the engine-agnostic ones, summed over servers (vLLM:
     `vllm_kv_cache_usage`, `vllm_num_waiting`, `vllm_preemptions`, ...)."""
@@ -470,6 +486,8 @@ class RolloutStats(_Strict):
         out.update({f"outcome_{k}": float(v) for k, v in self.outcomes.model_dump().items()})
         out.update({f"data_{k}": float(v) for k, v in self.data_position.items()})
         counters = self.counters.model_dump()
+        out.update({f"{k}_seconds_total": float(v) for k, v in counters.pop("seconds").items()})
+        out.update(counters.pop("pool"))
         out.update(counters.pop("engine"))
         for name, srv in counters.pop("per_server").items():
             out.update({f"{name}_version": float(srv["version"]),

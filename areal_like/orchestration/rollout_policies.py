@@ -422,4 +422,5 @@ class Outbox:
         self.seconds[why] += seconds
 
     def budget(self) -> RolloutCounters:
-        return self.counters().model_copy(update={f"{k}_seconds_total": v for k, v in self.seconds.items()})
+        c = self.counters()
+        return c.model_copy(update={"seconds": c.seconds.model_copy(update=dict(self.seconds))})

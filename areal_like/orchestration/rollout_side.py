@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from areal_like.core.config import ConfigError, ExperimentConfig
-from areal_like.core.types import RolloutCounters, SamplingParams, VersionAnnouncement
+from areal_like.core.types import (
+    RolloutCounters,
+    RolloutSeconds,
+    SamplingParams,
+    ServerPoolCounters,
+    VersionAnnouncement,
+)
 
 if TYPE_CHECKING:
     from areal_like.orchestration.channels import ControlSubscriber, DataPusher
@@ -235,12 +241,11 @@ class RolloutSide:
         cpu = time.process_time() + total("process_cpu_s")
         episodes = self.runner.seconds if self.runner is not None else {}
         return RolloutCounters(
-            generate_seconds_total=total("engine_step_seconds_total"),
-            engine_idle_seconds_total=total("engine_idle_seconds_total"),
-            weights_seconds_total=total("weight_update_seconds_total"),
-            agent_loop_seconds_total=episodes.get("agent_loop", 0.0),
-            tools_seconds_total=episodes.get("tools", 0.0),
-            reward_seconds_total=episodes.get("reward", 0.0),
+            seconds=RolloutSeconds(generate=total("engine_step_seconds_total"),
+                                   engine_idle=total("engine_idle_seconds_total"),
+                                   weights=total("weight_update_seconds_total"),
+                                   agent_loop=episodes.get("agent_loop", 0.0), tools=episodes.get("tools", 0.0),
+                                   reward=episodes.get("reward", 0.0)),
             rollout_cpu_s=cpu,
             rollout_borrowed_thread_s=total("borrowed_thread_s"),
             rollout_held_s=total("held_seconds_total"),
@@ -255,11 +260,10 @@ class RolloutSide:
             kv_usage=total("kv_usage"),
             gen_tokens_per_s=self._rates.rate("gen", generated),
             rollout_idle_ratio=self._rates.idle(not busy),
-            servers=manager["servers"],
-            server_failures=manager["server_failures"],
-            generate_retries=manager["generate_retries"],
-            server_restarts=manager.get("server_restarts", 0.0),
-            servers_waiting_for_weights=float(len(self.pool.waiting)),
+            pool=ServerPoolCounters(servers=manager["servers"], server_failures=manager["server_failures"],
+                                    generate_retries=manager["generate_retries"],
+                                    server_restarts=manager.get("server_restarts", 0.0),
+                                    servers_waiting_for_weights=float(len(self.pool.waiting))),
             engine={k: total(k) / (len(per) if k.endswith("usage") else 1)  # a usage is a mean, counts add
                     for k in sorted({k for m in per for k in m if k.startswith("vllm_")})},
             per_server=self.pool.per_server(),

@@ -286,7 +286,7 @@ class WeightFeed:
         waits, out of rotation, for the trainer to send it again (the rollout side says so
         in its reports): send the current version, at most every `every_s`."""
         r = self.reports.latest
-        if r is None or r.kind == "final" or stopping or not r.counters.servers_waiting_for_weights:
+        if r is None or r.kind == "final" or stopping or not r.counters.pool.servers_waiting_for_weights:
             return
         if time.time() - self.sent_at < every_s or self.reports.at < self.sent_at:
             return  # a send is recent, or no report has come since it
@@ -294,7 +294,7 @@ class WeightFeed:
             return
         v = self.trainer.version
         log.info("%d restarted rollout server(s) wait for the served weights: sending v%d again",
-                 int(r.counters.servers_waiting_for_weights), v)
+                 int(r.counters.pool.servers_waiting_for_weights), v)
         self._resend(v)
 
     def resend_if_rollout_stuck(self) -> None:

@@ -128,13 +128,14 @@ class TrainerTelemetry:
     def rollout_report(self, msg: RolloutStats, trainer_version: int) -> None:
         if msg.origin is not None:
             self._rewards_now = (msg.origin.sender, msg.outcomes.sent, msg.outcomes.reward_sum)
+        flat = msg.flat()
         self._rollout_budget_now = (msg.origin.sender if msg.origin is not None else "",
-                                    {name: float(getattr(msg.counters, field)) for name, field, _ in ROLLOUT_PHASES})
+                                    {name: float(flat.get(field, 0.0)) for name, field, _ in ROLLOUT_PHASES})
         self.m.versions.server_version.labels(server="rollout").set(msg.loaded_version)
         self._counters(msg.counters)
         for k in ("running", "sent", "dropped", "consumed", "capacity"):
             self.m.samples.gate.labels(state=k).set(getattr(msg.gate, k))
-        self.mlog.write("rollout", trainer_version, **msg.flat(), loaded_version=msg.loaded_version,
+        self.mlog.write("rollout", trainer_version, **flat, loaded_version=msg.loaded_version,
                         started=msg.started, episodes_running=msg.running)
 
     def _rollout_budget(self) -> dict[str, float]:
