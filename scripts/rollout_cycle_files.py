@@ -34,7 +34,15 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
     sys.path.insert(0, root)
     os.chdir(root)
     from areal_like.core.staleness import StalenessGate
-    from areal_like.core.types import SamplingParams, TrajectoryGroup, VersionAnnouncement, WeightUpdateMeta
+    from areal_like.core.types import (
+        GateCounts,
+        Goodbye,
+        SamplingParams,
+        TrainerId,
+        TrajectoryGroup,
+        VersionAnnouncement,
+        WeightUpdateMeta,
+    )
     from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
     from areal_like.orchestration.dataset import PromptSource
     from areal_like.orchestration.rollout_controller import RolloutController
@@ -76,8 +84,8 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
     state = {"v": 0, "consumed": 0}
 
     def announce(**kw: Any) -> None:
-        pub.publish(VersionAnnouncement(version=state["v"], consumed=state["consumed"], run_id="r", epoch=0,
-                                        acked=puller.acks(0), **kw))
+        pub.publish(VersionAnnouncement(version=state["v"], counts=GateCounts(consumed=state["consumed"]),
+                                        trainer=TrainerId(run_id="r", epoch=0), acked=puller.acks(0), **kw))
 
     groups, deadline = 0, time.time() + 60
     while groups < groups_wanted and time.time() < deadline:
@@ -96,7 +104,7 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
             m = puller.recv(0)
     recording.clear()
     for _ in range(20):
-        announce(stop=True, final_eval=False)
+        announce(end=Goodbye(final_eval=False))
         time.sleep(0.2)
         if not t.is_alive():
             break

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from areal_like.core.types import VersionAnnouncement
+from areal_like.core.types import Goodbye, TrainerId, VersionAnnouncement
 from areal_like.orchestration.rollout_side import TrainerLostError, drive_rollout
 
 
@@ -75,7 +75,7 @@ def test_a_late_trainer_is_waited_for_and_stop_ends_cleanly() -> None:
             await asyncio.sleep(1.0)
             sub.q.put(VersionAnnouncement(version=0))
             await asyncio.sleep(0.1)
-            sub.q.put(VersionAnnouncement(version=1, stop=True))
+            sub.q.put(VersionAnnouncement(version=1, end=Goodbye()))
 
         task = asyncio.create_task(late_trainer())
         await drive_rollout(ctl, sub, peer_timeout_s=5.0)
@@ -148,7 +148,7 @@ def test_a_trainer_gone_while_its_first_weights_are_awaited_stops_the_real_contr
     ended too."""
     sent: list = []
     sub = FakeSubscriber()
-    sub.q.put(VersionAnnouncement(version=2, run_id="r", epoch=0))
+    sub.q.put(VersionAnnouncement(version=2, trainer=TrainerId(run_id="r", epoch=0)))
 
     async def main() -> None:
         await drive_rollout(_real_controller(sent), sub, peer_timeout_s=1.0, peer_dead_s=0.5)

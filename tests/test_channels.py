@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from areal_like.core.types import Origin, RolloutStats, VersionAnnouncement
+from areal_like.core.types import GateCounts, Origin, RolloutStats, VersionAnnouncement
 from areal_like.orchestration.channels import (
     ChannelError,
     ControlPublisher,
@@ -98,7 +98,7 @@ def test_secret_required_and_checked() -> None:
 def test_control_channel_publishes_announcements() -> None:
     pub = ControlPublisher("tcp://127.0.0.1:0")
     sub = ControlSubscriber(pub.addr)
-    ann = VersionAnnouncement(version=3, consumed=24, dropped=2)
+    ann = VersionAnnouncement(version=3, counts=GateCounts(consumed=24, dropped=2))
 
     async def listen() -> VersionAnnouncement | None:  # the subscriber is asyncio-native
         for _ in range(50):  # slow joiner: the trainer re-publishes until seen

@@ -12,6 +12,7 @@ from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import (
     AgentLoopOutput,
     GenerateResult,
+    Goodbye,
     RolloutStats,
     SamplingParams,
     TrajectoryGroup,
@@ -74,7 +75,7 @@ async def _stop_and_collect(final_eval: bool, eval_rows: int = 4, eval_s: float 
     task = asyncio.create_task(ctl.run())
     while fake.training < 8:  # both groups admitted and running
         await asyncio.sleep(0.01)
-    ctl.announcements.put_nowait(VersionAnnouncement(version=0, stop=True, final_eval=final_eval))
+    ctl.announcements.put_nowait(VersionAnnouncement(version=0, end=Goodbye(final_eval=final_eval)))
     got: list[RolloutStats] = []
     while True:
         msg = await asyncio.wait_for(inbox.get(), 10)

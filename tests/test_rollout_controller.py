@@ -12,6 +12,8 @@ from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import (
     AgentLoopOutput,
+    GateCounts,
+    Goodbye,
     RolloutStats,
     SamplingParams,
     TrajectoryGroup,
@@ -119,7 +121,7 @@ async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, re
                 if v == fail_update_at:
                     fake.fail_next_update = True
             ctl.announcements.put_nowait(
-                VersionAnnouncement(version=v, consumed=buf.consumed, dropped=buf.dropped_sent, weights=_meta(v), stop=v >= steps)
+                VersionAnnouncement(version=v, weights=_meta(v), counts=GateCounts(consumed=buf.consumed, dropped=buf.dropped_sent), end=Goodbye() if v >= steps else None)
             )
     await task
     return ctl, buf, final, evals, lags
@@ -193,9 +195,9 @@ def test_weight_updates_queued_behind_a_slow_failure_are_skipped_to_the_newest()
         await asyncio.sleep(0.05)  # the update to v1 is under way
         for v in (2, 3, 4):
             ctl.announcements.put_nowait(VersionAnnouncement(version=v, weights=_meta(v)))
-        ctl.announcements.put_nowait(VersionAnnouncement(version=4, consumed=0))
+        ctl.announcements.put_nowait(VersionAnnouncement(version=4, counts=GateCounts(consumed=0)))
         await asyncio.sleep(0.5)
-        ctl.announcements.put_nowait(VersionAnnouncement(version=4, stop=True))
+        ctl.announcements.put_nowait(VersionAnnouncement(version=4, end=Goodbye()))
         await asyncio.wait_for(task, 10)
         return ctl
 

@@ -13,9 +13,12 @@ from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import (
     AgentLoopOutput,
     EvalResult,
+    GateCounts,
+    Goodbye,
     RolloutCounters,
     RolloutStats,
     SamplingParams,
+    TrainerId,
     Trajectory,
     VersionAnnouncement,
     WeightUpdateMeta,
@@ -40,9 +43,10 @@ def _meta(v: int, epoch: int = 0) -> WeightUpdateMeta:
     return WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="x", epoch=epoch)
 
 
-def _ann(v: int = 0, **kw: Any) -> VersionAnnouncement:
-    kw.setdefault("run_id", "run")
-    return VersionAnnouncement(version=v, **kw)
+def _ann(v: int = 0, *, run_id: str = "run", epoch: int = 0, rollout_id: str | None = None, consumed: int = 0,
+         stop: bool = False, **kw: Any) -> VersionAnnouncement:
+    return VersionAnnouncement(version=v, counts=GateCounts(consumed=consumed), end=Goodbye() if stop else None,
+                               trainer=TrainerId(run_id=run_id, epoch=epoch, rollout_id=rollout_id), **kw)
 
 
 def _out(reward_text: str = "1") -> AgentLoopOutput:
@@ -59,7 +63,7 @@ def _traj(reward: float) -> Trajectory:
 def test_newest_weights_only_keeps_only_the_last_weights_and_every_count() -> None:
     anns = [_ann(1, weights=_meta(1), consumed=8), _ann(2, consumed=16), _ann(3, weights=_meta(3), consumed=24)]
     out = newest_weights_only(anns)
-    assert [a.consumed for a in out] == [8, 16, 24]
+    assert [a.counts.consumed for a in out] == [8, 16, 24]
     assert [a.weights.version if a.weights else None for a in out] == [None, None, 3]
     assert newest_weights_only([_ann(1)]) == [_ann(1)]
 

@@ -14,6 +14,8 @@ from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.config import load_config
 from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import (
+    GateCounts,
+    Goodbye,
     RolloutStats,
     SamplingParams,
     TrajectoryGroup,
@@ -87,8 +89,7 @@ def test_killed_server_mid_run_loses_no_episode(tiny_model_dir) -> None:
                 v += 1
             # a meta only with a new version, as the trainer announces one only with a transfer
             meta = WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="-") if batch else None
-            ctl.announcements.put_nowait(VersionAnnouncement(version=v, consumed=buf.consumed, weights=meta,
-                                                             dropped=buf.dropped_sent, stop=v >= 4))
+            ctl.announcements.put_nowait(VersionAnnouncement(version=v, weights=meta, counts=GateCounts(consumed=buf.consumed, dropped=buf.dropped_sent), end=Goodbye() if v >= 4 else None))
         await task
         await servers["s1"].close()
         assert killed

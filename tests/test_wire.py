@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from areal_like.core.types import (
+    GateCounts,
     GenerateRequest,
     GenerateResult,
     SamplingParams,
@@ -48,7 +49,7 @@ def test_trajectory_group_round_trip_exact() -> None:
     [
         GenerateRequest(request_id="r", prompt_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0.5, seed=3)),
         GenerateResult(request_id="r", token_ids=[4, 5], logprobs=[-0.1, -0.2], versions=[0, 1], stop_reason="stop"),
-        VersionAnnouncement(version=3, consumed=10, dropped=2),
+        VersionAnnouncement(version=3, counts=GateCounts(consumed=10, dropped=2)),
         WeightUpdateMeta(version=1, transport="dist", tensors=[TensorMeta(name="w", dtype="float32", shape=[2, 3])], checksum="ab"),
     ],
 )

@@ -37,6 +37,9 @@ __all__ = [
     "ServerCounters",
     "EvalResult",
     "VersionAnnouncement",
+    "GateCounts",
+    "TrainerId",
+    "Goodbye",
     "WeightUpdateMeta",
     "TensorMeta",
     "head_version",
@@ -496,32 +499,20 @@ class RolloutStats(_Strict):
         return out
 
 
-class VersionAnnouncement(_Strict):
-    """Trainer → rollout on the control channel: a new version exists.
+class GateCounts(_Strict):
+    """What became of the samples the rollout side sent (cumulative since the run began):
+    the gate frees capacity by them (docs/design.md §9.3)."""
 
-    `consumed` and `dropped` are cumulative sample counts since the run began; the
-    gate uses them to free capacity (docs/design.md §9.3).
-    """
-
-    version: int = Field(ge=0)
     consumed: int = Field(0, ge=0)
     dropped: int = Field(0, ge=0)
     sent_base: int = Field(0, ge=0)
     """Samples the trainer side had received before this run was resumed: the rollout
     gate counts them as sent, so `accepted` is right across recovery."""
-    weights: WeightUpdateMeta | None = None
-    weight_store: str | None = None
-    """host:port of the dist weight group's store: the rollout side registers there before
-    admitting anything, so it is a member from the first version on."""
-    data_position: dict[str, int] | None = None
-    """Where the rollout side's prompt stream resumes (set after `--resume`); applied once,
-    before the first episode is admitted."""
-    stop: bool = False
-    """Goodbye: the run is over (or the trainer is stopping): the rollout side stops admitting,
-    cancels what runs, reports final counts and exits."""
-    final_eval: bool = True
-    """With `stop`: evaluate the last version before the final report (false after Ctrl-C:
-    the user asked for the run to stop now)."""
+
+
+class TrainerId(_Strict):
+    """Which trainer speaks, and which rollout controller it serves."""
+
     run_id: str = ""
     """The run this trainer serves (stable across resumes)."""
     epoch: int = Field(0, ge=0)
@@ -529,6 +520,34 @@ class VersionAnnouncement(_Strict):
     gate, counts and version on this announcement."""
     rollout_id: str | None = None
     """The rollout controller this trainer accepted in this epoch; any other is refused."""
+
+
+class Goodbye(_Strict):
+    """Goodbye: the run is over (or the trainer is stopping): the rollout side stops
+    admitting, cancels what runs, reports final counts and exits."""
+
+    final_eval: bool = True
+    """Evaluate the last version before the final report (false after Ctrl-C: the user
+    asked for the run to stop now)."""
+
+
+class VersionAnnouncement(_Strict):
+    """Trainer → rollout on the control channel: a new version exists, in typed parts by
+    concern: the gate's counts, the weights and where their group meets, where the prompt
+    stream resumes, the end of the run, who speaks, the colocate hold, the acks."""
+
+    version: int = Field(ge=0)
+    counts: GateCounts = Field(default_factory=GateCounts)
+    weights: WeightUpdateMeta | None = None
+    weight_store: str | None = None
+    """host:port of the dist weight group's store: the rollout side registers there before
+    admitting anything, so it is a member from the first version on."""
+    data_position: dict[str, int] | None = None
+    """Where the rollout side's prompt stream resumes (set after `--resume`); applied once,
+    before the first episode is admitted."""
+    end: Goodbye | None = None
+    """Set on the goodbye (`stop`)."""
+    trainer: TrainerId = Field(default_factory=TrainerId)
     hold: int = Field(0, ge=0)
     """`cluster.colocate`: nonzero while the trainer wants the devices for a train step (a
     number new for each step): the rollout side pauses its servers and answers with a
@@ -537,6 +556,11 @@ class VersionAnnouncement(_Strict):
     """Sender → `[upto, *more]`: every data frame of this epoch up to seq `upto` has reached
     the trainer, and so have those in `more`; the sender stops keeping them for a resend
     (docs/design.md §10.7)."""
+
+    @property
+    def stop(self) -> bool:
+        """The goodbye: the run is over."""
+        return self.end is not None
 
 
 class TensorMeta(_Strict):

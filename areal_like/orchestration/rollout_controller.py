@@ -217,7 +217,7 @@ class RolloutController:
         if verdict == "newer":
             await self._rebase(ann)
         self.follow.refuse_if_another(ann)
-        self.gate.on_trainer_counts(ann.consumed, ann.dropped, ann.sent_base)
+        self.gate.on_trainer_counts(ann.counts.consumed, ann.counts.dropped, ann.counts.sent_base)
         await self.hold.follow(ann, before_weights=True)
         meta = ann.weights
         if meta is not None:
@@ -227,7 +227,7 @@ class RolloutController:
                 self.evals.loaded(version, again)
         await self.hold.follow(ann, before_weights=False)
         if ann.stop:
-            if ann.final_eval:
+            if ann.end is not None and ann.end.final_eval:
                 self.evals.start(self.loaded_version)  # the final version is always evaluated
             else:
                 self.evals.skip = True  # Ctrl-C on the trainer: stop now
@@ -241,11 +241,11 @@ class RolloutController:
         nothing until the new trainer's weights are loaded (docs/design.md §10.3)."""
         running = [t for t in self._groups if t.get_name() not in self.book.delivering]
         log.warning("the trainer restarted (epoch %d -> %d, at v%d): cancelling %d running groups of the old epoch "
-                    "and re-basing on its announcement", self.follow.epoch, ann.epoch, ann.version, len(running))
+                    "and re-basing on its announcement", self.follow.epoch, ann.trainer.epoch, ann.version, len(running))
         for t in running:
             t.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        self.follow.epoch = ann.epoch
+        self.follow.epoch = ann.trainer.epoch
         self.book.restart(ann.version)
         self.gate.rebase()
         if self.hold.number:  # the old trainer's step is over

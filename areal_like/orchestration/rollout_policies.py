@@ -87,21 +87,23 @@ class TrainerFollow:
 
     def begin(self, ann: VersionAnnouncement) -> None:
         """The first announcement names the run and epoch to follow."""
-        self.run_id, self.epoch = ann.run_id, ann.epoch
+        self.run_id, self.epoch = ann.trainer.run_id, ann.trainer.epoch
 
     def verdict(self, ann: VersionAnnouncement) -> Literal["ignore", "newer", "ours"]:
-        if ann.run_id != self.run_id:
-            if ann.run_id not in self._ignored_runs:
-                self._ignored_runs.add(ann.run_id)
-                log.error("ignoring announcements of another run (%s; this side follows %s)", ann.run_id, self.run_id)
+        if ann.trainer.run_id != self.run_id:
+            if ann.trainer.run_id not in self._ignored_runs:
+                self._ignored_runs.add(ann.trainer.run_id)
+                log.error("ignoring announcements of another run (%s; this side follows %s)", ann.trainer.run_id,
+                          self.run_id)
             return "ignore"
-        if ann.epoch < self.epoch:
+        if ann.trainer.epoch < self.epoch:
             return "ignore"  # an older trainer incarnation still publishing: not ours to follow
-        return "newer" if ann.epoch > self.epoch else "ours"
+        return "newer" if ann.trainer.epoch > self.epoch else "ours"
 
     def refuse_if_another(self, ann: VersionAnnouncement) -> None:
-        if ann.rollout_id is not None and ann.rollout_id != self.sender:
-            raise RolloutRefused(f"the trainer of run {ann.run_id} already has a rollout controller ({ann.rollout_id}); "
+        if ann.trainer.rollout_id is not None and ann.trainer.rollout_id != self.sender:
+            who = ann.trainer
+            raise RolloutRefused(f"the trainer of run {who.run_id} already has a rollout controller ({who.rollout_id}); "
                                  "one rollout controller per run: stop the other one first, or point this one at "
                                  "another trainer")
 

@@ -309,8 +309,8 @@ class TrainerLink:
             msg = await self.subscriber.recv(0.2)
             now = time.monotonic()
             if pusher is not None:
-                if isinstance(msg, VersionAnnouncement) and msg.run_id == ctl.follow.run_id:
-                    pusher.ack(msg.epoch, msg.acked.get(ctl.follow.sender, []))
+                if isinstance(msg, VersionAnnouncement) and msg.trainer.run_id == ctl.follow.run_id:
+                    pusher.ack(msg.trainer.epoch, msg.acked.get(ctl.follow.sender, []))
                 pusher.maintain()
             if isinstance(msg, VersionAnnouncement):
                 if gone:

@@ -37,7 +37,10 @@ from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.config import ExperimentConfig
 from areal_like.core.metrics import MetricsLog, MetricsRegistry
 from areal_like.core.types import (
+    GateCounts,
+    Goodbye,
     RolloutStats,
+    TrainerId,
     Trajectory,
     TrajectoryGroup,
     VersionAnnouncement,
@@ -417,18 +420,14 @@ class TrainerController:
         stopping = self.end.stopping
         ann = VersionAnnouncement(
             version=self.trainer.version,
-            consumed=self.buffer.consumed,
-            dropped=self.buffer.dropped_sent,
-            sent_base=self.sent_base,
+            counts=GateCounts(consumed=self.buffer.consumed, dropped=self.buffer.dropped_sent,
+                              sent_base=self.sent_base),
             weights=weights,
             weight_store=self.weights.rendezvous,
             data_position=data_position,
-            stop=stopping,
-            final_eval=self.end.final_eval,
+            end=Goodbye(final_eval=self.end.final_eval) if stopping else None,
             hold=0 if stopping else self.hold.number,
-            run_id=self.peers.run_id,
-            epoch=self.peers.epoch,
-            rollout_id=self.peers.accepted,
+            trainer=TrainerId(run_id=self.peers.run_id, epoch=self.peers.epoch, rollout_id=self.peers.accepted),
             acked=self.puller.acks(self.peers.epoch),
         )
         self.announcer.publish(ann)
