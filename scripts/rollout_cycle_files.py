@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+_PACKAGES = ("areal_like", "rollout_cluster", "train_cluster", "weight_sync")
+
 
 def _root(ref: str | None) -> str:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,15 +36,7 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
     sys.path.insert(0, root)
     os.chdir(root)
     from areal_like.core.staleness import StalenessGate
-    from areal_like.core.types import (
-        GateCounts,
-        Goodbye,
-        SamplingParams,
-        TrainerId,
-        TrajectoryGroup,
-        VersionAnnouncement,
-        WeightUpdateMeta,
-    )
+    from areal_like.core.types import SamplingParams, TrajectoryGroup, VersionAnnouncement, WeightUpdateMeta
     from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
     from areal_like.orchestration.dataset import PromptSource
     from areal_like.orchestration.rollout_controller import RolloutController
@@ -58,8 +52,10 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
 
     def tracer(frame: Any, event: str, arg: Any) -> None:
         f = frame.f_code.co_filename
-        if recording.is_set() and f.startswith(root + "/") and "/tests/" not in f:
-            files.add(os.path.relpath(f, root))
+        if recording.is_set() and f.startswith(root + "/"):
+            rel = os.path.relpath(f, root)
+            if rel.split(os.sep, 1)[0] in _PACKAGES:  # ours: not the tests' fakes, not a .venv inside the tree
+                files.add(rel)
 
     puller, pub = DataPuller("tcp://127.0.0.1:0"), ControlPublisher("tcp://127.0.0.1:0")
 
@@ -83,9 +79,16 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
     t.start()
     state = {"v": 0, "consumed": 0}
 
-    def announce(**kw: Any) -> None:
-        pub.publish(VersionAnnouncement(version=state["v"], counts=GateCounts(consumed=state["consumed"]),
-                                        trainer=TrainerId(run_id="r", epoch=0), acked=puller.acks(0), **kw))
+    def announce(*, stop: bool = False, **kw: Any) -> None:
+        try:  # the announcement's typed parts (#32)
+            from areal_like.core.types import GateCounts, Goodbye, TrainerId
+
+            parts: dict[str, Any] = {"counts": GateCounts(consumed=state["consumed"]),
+                                     "trainer": TrainerId(run_id="r", epoch=0),
+                                     "end": Goodbye(final_eval=False) if stop else None}
+        except ImportError:  # an older revision: flat fields
+            parts = {"consumed": state["consumed"], "run_id": "r", "epoch": 0, "stop": stop, "final_eval": False}
+        pub.publish(VersionAnnouncement(version=state["v"], acked=puller.acks(0), **parts, **kw))
 
     groups, deadline = 0, time.time() + 60
     while groups < groups_wanted and time.time() < deadline:
@@ -104,7 +107,7 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
             m = puller.recv(0)
     recording.clear()
     for _ in range(20):
-        announce(end=Goodbye(final_eval=False))
+        announce(stop=True)
         time.sleep(0.2)
         if not t.is_alive():
             break
