@@ -19,6 +19,8 @@ from areal_like.core.types import (
     RolloutCounters,
     RolloutStats,
     ServerPoolCounters,
+    TrainerId,
+    VersionAnnouncement,
     WeightUpdateMeta,
 )
 from areal_like.orchestration.peers import RolloutPeers
@@ -273,6 +275,38 @@ def test_announcements_are_throttled_unless_forced_and_drops_go_out_at_once() ->
     a.at = time.time() - 1.0
     assert a.drops_due(False)  # the drop seen before still goes out
     assert not a.drops_due(False)
+
+
+def test_a_heartbeat_names_the_controller_accepted_now_without_the_weights() -> None:
+    """The heartbeat repeats the last announcement, but says which rollout controller the
+    trainer accepts now: one accepted during a long step is named at once, so a second
+    controller is refused before it joins the weight group."""
+    import threading
+
+    class _Pub:
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
+            self.got = threading.Event()
+
+        def publish(self, ann: Any) -> None:
+            self.sent.append(ann)
+            self.got.set()
+
+    accepted: list[str | None] = [None]
+    pub = _Pub()
+    a = Announcer(pub, acks=lambda: {"ro-a": [3]}, heartbeat_s=0.05, accepted=lambda: accepted[0])
+    meta = WeightUpdateMeta(version=2, transport="disk", tensors=[], checksum="x")
+    a.publish(VersionAnnouncement(version=2, weights=meta, trainer=TrainerId(run_id="run", epoch=1)))
+    accepted[0] = "ro-a"  # accepted after that announcement was made
+    pub.got.clear()
+    t = threading.Thread(target=a.heartbeat, daemon=True)
+    t.start()
+    assert pub.got.wait(5)
+    a.stop()
+    t.join(5)
+    beat = pub.sent[-1]
+    assert beat.trainer == TrainerId(run_id="run", epoch=1, rollout_id="ro-a")
+    assert beat.weights is None and beat.acked == {"ro-a": [3]} and beat.version == 2
 
 
 # ---- RunEnd -----------------------------------------------------------------------------

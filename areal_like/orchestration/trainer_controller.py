@@ -155,7 +155,8 @@ class TrainerController:
         self.peers = RolloutPeers(run_id or uuid.uuid4().hex[:12], epoch, dead_s=cfg.transport.peer_dead_s,
                                   timeout_s=cfg.transport.peer_timeout_s)
         acks = lambda: self.puller.acks(self.peers.epoch)  # noqa: E731 (the epoch may change)
-        self.announcer = Announcer(publisher, acks=acks, heartbeat_s=cfg.transport.heartbeat_s)
+        self.announcer = Announcer(publisher, acks=acks, heartbeat_s=cfg.transport.heartbeat_s,
+                                   accepted=lambda: self.peers.accepted)
         self.reports = ReportLog()
         self.stragglers = StragglerPolicy(cfg)
         self.hold = ColocateHold(cfg, self.peers, self.reports, announce=self._announce, drain=self._drain,

@@ -385,9 +385,15 @@ class Announcer:
     a busy trainer from a dead one. The repeat carries no weights (a transfer is
     announced once, by the schedule)."""
 
-    def __init__(self, publisher: Any, *, acks: Callable[[], Any], heartbeat_s: float) -> None:
+    def __init__(self, publisher: Any, *, acks: Callable[[], Any], heartbeat_s: float,
+                 accepted: Callable[[], str | None] = lambda: None) -> None:
         self.publisher = publisher
         self._acks = acks
+        self._accepted = accepted
+        """The rollout controller the trainer accepts now: a heartbeat says it, not the one
+        of the announcement it repeats (a controller accepted during a long train step
+        would otherwise be unnamed there, and a second one would join the weight group
+        before its refusal)."""
         self._heartbeat_s = heartbeat_s
         self.last: VersionAnnouncement | None = None
         self.at = 0.0
@@ -421,7 +427,9 @@ class Announcer:
             ann = self.last
             if ann is not None:
                 try:
-                    self.publisher.publish(ann.model_copy(update={"weights": None, "acked": self._acks()}))
+                    who = ann.trainer.model_copy(update={"rollout_id": self._accepted()})
+                    self.publisher.publish(ann.model_copy(update={"weights": None, "acked": self._acks(),
+                                                                  "trainer": who}))
                 except Exception as e:  # the channel is closing: the schedule reports what matters
                     log.debug("heartbeat not sent: %s", e)
                     return
