@@ -145,10 +145,14 @@ def _actor_main(fd: int, head: dict[str, Any]) -> None:
     _set_process_name(str(head.get("name", "actor")))
     os.environ.update(head.get("env") or {})
     if head.get("stdio"):  # Ray keeps an actor's prints in its logs; we keep them in the run's
-        out = os.open(head["stdio"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
+        try:
+            out = os.open(head["stdio"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError:  # no such folder here (`areal-like rollout` on a machine without the run
+            pass  # folder): the actor keeps its requester's stdout and stderr, as its log lines do
+        else:
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
     try:
         os.setpgid(0, 0)  # a signal to the zygote's group is not one to us
     except OSError:
