@@ -7,9 +7,10 @@ default group and hangs (docs/design.md §8). So the sender hosts its own `TCPSt
 `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) constructed directly on a
 `PrefixStore("gen{g}/")` of it. Nothing here touches the default group.
 
-Why this file is long: it is both ends of one wire protocol (the sender, the receiver and
-the store keys, headers and commit barrier they share); kept together so a change to one
-side is read beside the other.
+Why this file is long: it is both ends of one wire protocol (the sender, its membership
+view `_Membership`, the receiver, and the generations, store keys, header, bucket layout
+and commit barrier they share); kept together so a change to one side is read beside the
+other.
 
 What travels where:
 - The meta (names, dtypes, shapes, checksum) goes on the orchestrator's control
@@ -50,10 +51,6 @@ training because an engine died): it logs, records it in `last_transfer`, and th
 the meta at once; the broadcast runs on a background thread while the trainer goes on
 training (the broadcast cannot start before receivers have the meta anyway). The next
 `send` first waits for the previous transfer to end.
-
-One file over ~600 lines on purpose: sender and receiver share the group protocol
-(generations, the store's membership keys, the header and the bucket layout), and are
-easier to check against each other side by side.
 """
 
 from __future__ import annotations
