@@ -43,9 +43,12 @@ def measure(root: str, groups_wanted: int = 12) -> tuple[int, set[str]]:
     from tests.test_rollout_controller import FakeRollout, _rows
 
     try:
-        from areal_like.orchestration.rollout_side import drive_rollout, make_sender
-    except ImportError:  # a revision before #32 item 2: the bridge module had them
-        from areal_like.orchestration.bridge import drive_rollout, make_sender  # type: ignore[no-redef]
+        from areal_like.orchestration.rollout_controller import drive_rollout, make_sender
+    except ImportError:  # a revision before the link moved beside the controller
+        try:
+            from areal_like.orchestration.rollout_side import drive_rollout, make_sender  # type: ignore[no-redef]
+        except ImportError:  # a revision before #32 item 2: the bridge module had them
+            from areal_like.orchestration.bridge import drive_rollout, make_sender  # type: ignore[no-redef]
 
     files: set[str] = set()
     recording = threading.Event()

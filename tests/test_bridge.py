@@ -11,7 +11,7 @@ import time
 import pytest
 
 from areal_like.core.types import Goodbye, TrainerId, VersionAnnouncement
-from areal_like.orchestration.rollout_side import TrainerLostError, drive_rollout
+from areal_like.orchestration.rollout_controller import TrainerLostError, drive_rollout
 
 
 class FakeSubscriber:

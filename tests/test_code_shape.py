@@ -43,3 +43,20 @@ def test_no_file_grows_past_the_line_bound_without_a_reason() -> None:
                        f"docstring (or over their listed size): {grown}")
     back = [p for p in OVER_LINES if p not in seen or seen[p].lines <= MAX_LINES or seen[p].reason]
     assert not back, f"back under the bound, gone, or with a reason now: take them off OVER_LINES: {back}"
+
+
+def test_one_rollout_cycle_runs_in_at_most_eight_files() -> None:
+    """Issue #32's must-show: the rollout side's steady cycle (announcement in → admit →
+    episodes → group out → acknowledged), traced over real sockets by
+    scripts/rollout_cycle_files.py, runs in ≤ 8 of our files (docs/design.md §10.22)."""
+    import re
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "rollout_cycle_files.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = re.search(r"(\d+) groups, (\d+) files:", out.stdout)
+    assert m, out.stdout
+    groups, files = int(m.group(1)), int(m.group(2))
+    assert groups >= 12, f"the scripted trainer saw only {groups} groups: the trace is not of steady cycles"
+    assert files <= 8, f"one rollout cycle runs in {files} files (bound 8):\n{out.stdout}"

@@ -24,8 +24,12 @@ from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import Origin, SamplingParams, Trajectory, TrajectoryGroup
 from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
 from areal_like.orchestration.dataset import PromptSource
-from areal_like.orchestration.rollout_controller import RolloutController, RolloutRefused
-from areal_like.orchestration.rollout_side import drive_rollout, make_sender
+from areal_like.orchestration.rollout_controller import (
+    RolloutController,
+    RolloutRefused,
+    drive_rollout,
+    make_sender,
+)
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_controller import TrainerController
 from tests.test_orchestration_fake import FakeTrainer, FakeWeights

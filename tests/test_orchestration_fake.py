@@ -16,8 +16,7 @@ from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import Origin, SamplingParams, WeightUpdateMeta
 from areal_like.orchestration.channels import ControlPublisher, ControlSubscriber, DataPuller, DataPusher
 from areal_like.orchestration.dataset import PromptSource
-from areal_like.orchestration.rollout_controller import RolloutController
-from areal_like.orchestration.rollout_side import drive_rollout, make_sender
+from areal_like.orchestration.rollout_controller import RolloutController, drive_rollout, make_sender
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_controller import RunAborted, TrainerController
 from tests.test_rollout_controller import FakeRollout, _rows

@@ -4,7 +4,7 @@ Ray costs the embedded quickstart about ten seconds before its first step: its o
 daemons start, then every actor is a fresh interpreter that imports torch and
 transformers again, one after the other (docs/benchmarks.md, start-up). On one machine
 none of that is needed. This module gives the same actor bodies (`_TrainWorker`,
-`RolloutControllerActor`, `ServerActor`) processes of their own without Ray:
+`RolloutSide`, `ServerActor`) processes of their own without Ray:
 
 - a **zygote** process starts first and imports the heavy modules once; every actor is
   `fork()`ed from it on request, so a new actor costs milliseconds, not an import;

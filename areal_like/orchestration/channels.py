@@ -535,7 +535,7 @@ class ControlPublisher(_Channel):
 class ControlSubscriber(_Channel):
     """Rollout side of the control channel (connects), asyncio-native (`zmq.asyncio`):
     `await recv(...)` on the rollout side's event loop, beside the controller, with no
-    thread in between (`bridge.TrainerLink`)."""
+    thread in between (`rollout_controller.TrainerLink`)."""
 
     accepts = (VersionAnnouncement,)
     sock: zmq.asyncio.Socket

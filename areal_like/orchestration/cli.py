@@ -155,8 +155,8 @@ def rollout(
     verbose: bool = typer.Option(False, "--verbose", help="Every process's log lines on the console too (else in run.dir/run.log)."),
 ) -> None:
     """Run the rollout cluster only; it connects to the trainer's data/control addresses."""
-    from areal_like.orchestration.rollout_controller import RolloutRefused
-    from areal_like.orchestration.rollout_side import RolloutSide, TrainerLostError
+    from areal_like.orchestration.rollout_controller import RolloutRefused, TrainerLostError
+    from areal_like.orchestration.rollout_side import RolloutSide
 
     cfg = _load(config, [*set_, *(["run.verbose=true"] if verbose else [])])
     _console(cfg)

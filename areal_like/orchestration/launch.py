@@ -6,8 +6,8 @@
   sender, channels, trainer controller);
 - `run_both` (here): both sides through one launcher (`areal_like.launcher`: plain
   processes from a zygote, or an embedded Ray or the cluster at `cluster.ray_address`
-  with one placement group per pool, `pools`): the rollout controller (its own actor,
-  `RolloutControllerActor`) runs beside server 0 in the rollout pool, every inference
+  with one placement group per pool, `pools`): the rollout side (its own actor, a
+  `RolloutSide`) runs beside server 0 in the rollout pool, every inference
   server in its own bundle of it, the train workers in the train pool, the trainer
   controller in the driver.
 
@@ -23,31 +23,12 @@ import time
 from typing import Any
 
 from areal_like.core.config import ExperimentConfig
-from areal_like.launcher import Placement, choose_launcher, connect, open_launcher
+from areal_like.launcher import Placement, choose_launcher, open_launcher
 from areal_like.launcher.ray_launcher import init_ray, ray_env
 
 __all__ = ["run_both", "ray_env", "init_ray", "choose_launcher"]
 
 log = logging.getLogger(__name__)
-
-
-class RolloutControllerActor:
-    """The rollout controller's actor (docs/design.md §10.2): `run` drives the whole
-    rollout side; the server actors it starts (through the launcher at
-    `launcher_address`, `areal_like.launcher.connect`) are owned by it and go with it."""
-
-    def run(self, cfg_json: dict[str, Any], data_addr: str, control_addr: str,
-            user: dict[str, Any] | None = None, placement_group: Any = None,
-            launcher_address: str = "ray") -> dict[str, Any]:
-        from areal_like.core.logs import process_logging, run_log_path
-        from areal_like.orchestration.rollout_side import RolloutSide
-
-        run = cfg_json["run"]
-        process_logging("rollout", run["log_level"], run_log_path(run["dir"]), console=run.get("verbose", False))
-
-        cfg = ExperimentConfig.model_validate(cfg_json)
-        return RolloutSide(cfg, data_addr, control_addr, user=user, placement_group=placement_group,
-                           launcher=connect(launcher_address)).run()
 
 
 def _rollout_death_message(error: BaseException) -> str:
@@ -113,6 +94,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
         raise
     if pg_roll is not None or pg_train is not None:
         startup.mark("pools")
+    from areal_like.orchestration.rollout_side import RolloutSide
     from areal_like.orchestration.trainer_side import TrainerSide
 
     def cleanup() -> None:
@@ -133,7 +115,8 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
     # while the trainer goes on; a dead rollout side stops the run instead (checkpoint,
     # then --resume).
     try:
-        controller = launcher.spawn(RolloutControllerActor, name="rollout", cpus=0, gpus=0,
+        controller = launcher.spawn(RolloutSide, (cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll,
+                                                  launcher.address), name="rollout", cpus=0, gpus=0,
                                     placement=Placement(pg_roll, 0),
                                     stdio=None if cfg.run.verbose else str(run_log_path(cfg.run.dir)))
     except BaseException:
@@ -142,8 +125,7 @@ def run_both(cfg: ExperimentConfig, *, resume: bool = False, overwrite: bool = F
         raise
     if on_start is not None:
         on_start(trainer)
-    ref = controller.run.remote(cfg.model_dump(mode="json"), data_addr, control_addr, user, pg_roll,
-                                launcher.address)
+    ref = controller.serve.remote()
     return _drive(trainer, controller, ref, cleanup=cleanup)
 
 
