@@ -14,12 +14,15 @@ uses for the whole benchmark.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,9 @@ class CpuMonitor:
         self.other_s = 0.0
         self.own_s = 0.0
         self.wall_s = 0.0
+        self.series: list[tuple[float, float, float]] = []
+        """(UNIX time, own CPU seconds so far, other CPU seconds so far) after each sample:
+        `cores_between` reads a window of it (a run's steady state, not its start-up)."""
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _own(self) -> float:
@@ -115,6 +121,7 @@ class CpuMonitor:
             self.own_s += d_own
             self.other_s += max(0.0, (sys1 - sys0) - d_own)
             self.wall_s += t1 - t0
+            self.series.append((t1, self.own_s, self.other_s))
             t0, sys0, own0 = t1, sys1, own1
 
     def __enter__(self) -> CpuMonitor:
@@ -130,9 +137,21 @@ class CpuMonitor:
         return {"other_cores": round(self.other_s / w, 3), "own_cores": round(self.own_s / w, 3)}
 
 
+def cores_between(series: list[tuple[float, float, float]], t0: float, t1: float) -> dict[str, float] | None:
+    """Own and other cores between UNIX times `t0` and `t1` from a `CpuMonitor.series`
+    (the samples nearest inside the window; None when fewer than two fall in it)."""
+    inside = [x for x in series if t0 <= x[0] <= t1]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    (a, own_a, oth_a), (b, own_b, oth_b) = inside[0], inside[-1]
+    return {"own_cores": round((own_b - own_a) / (b - a), 3), "other_cores": round((oth_b - oth_a) / (b - a), 3)}
+
+
 def run_cli(config: str, sets: list[str], run_dir: Path, *, env: dict[str, str] | None = None,
-            timeout_s: float = 1800, log: Any = None) -> dict[str, float]:
-    """`areal-like run CONFIG --set ...` in a new session; returns the CPU monitor's result.
+            timeout_s: float = 1800, log: Any = None,
+            series_out: list[tuple[float, float, float]] | None = None) -> dict[str, float]:
+    """`areal-like run CONFIG --set ...` in a new session; returns the CPU monitor's result
+    (and extends `series_out` with its samples, `CpuMonitor.series`, when given).
 
     Raises RuntimeError with the tail of the output when the run fails.
     """
@@ -152,18 +171,51 @@ def run_cli(config: str, sets: list[str], run_dir: Path, *, env: dict[str, str] 
                 os.killpg(p.pid, 15)
                 p.wait()
                 rc = -1
+    if series_out is not None:
+        series_out.extend(mon.series)
     if rc != 0:
         tail = out_path.read_text()[-3000:]
         raise RuntimeError(f"run {run_dir} failed (exit {rc}); log {out_path}:\n{tail}")
     return mon.result()
 
 
+_BURN = """
+import sys, time
+share, period = float(sys.argv[1]), 0.05
+while True:  # busy for share x period of CPU time, then idle for the rest of the period
+    t, c = time.perf_counter(), time.process_time()
+    while time.process_time() - c < share * period:
+        pass
+    time.sleep(max(0.0, period - (time.perf_counter() - t)))
+"""
+
+
+@contextmanager
+def background_load(cores: float) -> Iterator[None]:
+    """A known load while inside: processes that keep `cores` cores busy in all (each
+    busy a share of every 50 ms, at most one core each); nothing for 0."""
+    procs = []
+    n = math.ceil(cores) if cores > 0 else 0
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", _BURN, str(cores / n)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def summarise(run_dir: Path, *, skip_steps: int = 2, tail_steps: int = 5) -> dict[str, Any]:
-    """Throughput after warm-up, wall time to the last step, reward at the end, phase times."""
+def summarise(run_dir: Path, *, skip_steps: int = 2, tail_steps: int = 5,
+              series: list[tuple[float, float, float]] | None = None) -> dict[str, Any]:
+    """Throughput after warm-up, wall time to the last step, reward at the end, phase times;
+    with the run's `CpuMonitor.series`, also the cores it and others used over the same
+    steps (`steady_own_cores`, `steady_other_cores`: start-up and the final eval left out)."""
     recs = records(run_dir)
     steps = [r for r in recs if r["kind"] == "train_step" and not r.get("skipped")]
     evals = [r for r in recs if r["kind"] == "eval"]
@@ -197,4 +249,6 @@ def summarise(run_dir: Path, *, skip_steps: int = 2, tail_steps: int = 5) -> dic
         "rollout_phase_s": round(statistics.median(rollouts), 3),
         "trainer_idle_ratio": round(steps[-1].get("trainer_idle_ratio", 0.0), 3),
         "counts_add_up": summary.get("counts_add_up"),
+        **({f"steady_{k}": v for k, v in (cores_between(series, t_warm0, warm[-1]["time"]) or {}).items()}
+           if series is not None else {}),
     }
