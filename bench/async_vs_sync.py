@@ -7,7 +7,9 @@ for the rollout), η ≥ 1 lets them overlap. The response lengths are long-tail
 (`bench/long_tail_loop.py`: each episode decodes Pareto-distributed extra tokens
 after its answer, masked out of the loss), as in reasoning workloads.
 
-Reported per η: trained samples per second after warm-up, wall time to the last
+Reported per η: trained samples per second over the same steady steps for every η
+(from step 3 + the largest η: by then each run's rollout side has built its lead of η
+batches, generation that a short run never trains), wall time to the last
 step, final train reward, held-out accuracy, version lag. From the η = 0 run: the
 median phase times per step, rollout R (waiting for the batch) and train T (train
 step + weight publish).
@@ -32,7 +34,7 @@ other processes used during each run is reported (shared machines);
 under a known load (#29: samples/s must not fall as η grows, also with half a core
 taken).
 
-    python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 16] [--repeats 2] [--background-cores 0.5]
+    python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 20] [--repeats 2] [--background-cores 0.5]
     python bench/async_vs_sync.py --smoke   # η 0 and 2, 2 steps of 2 prompts, tails of 16
                                             # tokens at most, 8 held-out problems, 1 repeat,
                                             # a temporary folder
@@ -105,7 +107,7 @@ def sets_for(eta: int, steps: int, seed: int, data: tuple[Path, Path], eval_samp
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--etas", default="0,1,2,4")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default="configs/quickstart.yaml")
@@ -126,6 +128,10 @@ def main() -> None:
     out = _record.out_dir(args.out, "async_vs_sync", args.smoke)
     data = write_dataset(out / "data", args.seed)
     runs: dict[int, list[dict]] = {e: [] for e in etas}
+    # The same steady window for every η: from the step where the largest η's lead is
+    # built (its lag reaches η by step η + 1), so no run's rate includes the generation
+    # that builds that lead (the rollout side starts η batches more than it trains).
+    skip = min(2 + max(etas), max(1, args.steps - 3))
     t_all = time.time()
     total = len(etas) * args.repeats
     done = 0
@@ -139,7 +145,7 @@ def main() -> None:
                 cpu = run_cli(args.config,
                               [*sets_for(eta, args.steps, args.seed, data, args.eval_samples), *args.sets], run_dir,
                               env={"LONG_TAIL_CAP": str(args.tail_cap)} if args.tail_cap else None, series_out=series)
-                s = {"eta": eta, "repeat": rep, **summarise(run_dir, series=series), **cpu}
+                s = {"eta": eta, "repeat": rep, **summarise(run_dir, skip_steps=skip, series=series), **cpu}
                 runs[eta].append(s)
                 done += 1
                 log.info("    η=%d: %.2f samples/s, %.1f s to step %d, reward %.3f, lag max %d, other CPU %.2f cores",
@@ -187,6 +193,7 @@ def main() -> None:
     result = {
         "benchmark": "async_vs_sync",
         "steps": args.steps,
+        "steady_from_step": skip + 1,
         "repeats": args.repeats,
         "extra_sets": args.sets,
         "tail_cap": args.tail_cap,
