@@ -234,6 +234,33 @@ def test_an_idle_server_drains_at_once_and_a_failed_start_is_said_once(tmp_path)
     asyncio.run(main())
 
 
+def test_an_added_server_with_no_sibling_to_copy_from_waits_for_the_next_version(tmp_path) -> None:
+    """vLLM cannot export its weights: the new server stays out of rotation, asking the
+    trainer for the served version (`servers_waiting_for_weights`), until it receives one."""
+    from areal_like.core.types import WeightUpdateMeta
+
+    cfg = _cfg(tmp_path)
+
+    async def main() -> None:
+        launcher = FakeLauncher()
+        pool, weights, manager, sizer, gate = await _rollout_side(cfg, launcher)
+        await weights.apply(WeightUpdateMeta(version=2, transport="disk", tensors=[], checksum="x"))
+
+        async def cannot_export() -> Any:
+            raise NotImplementedError("vLLM cannot export its weights")
+
+        launcher.actors["server-0"].export_weights = _Method(cannot_export)
+        sizer.request(2)
+        await _settle(sizer)
+        assert pool.names == ["server-0", "server-1"] and manager.server_names == ["server-0"]
+        assert pool.waiting == {"server-1"} and sizer.counters()["pool_size"] == 2
+        await weights.apply(WeightUpdateMeta(version=2, transport="disk", tensors=[], checksum="x"))  # resent
+        assert manager.server_names == ["server-0", "server-1"] and pool.waiting == set()
+        await pool.close()
+
+    asyncio.run(main())
+
+
 def _sampling() -> Any:
     from areal_like.core.types import SamplingParams
 

@@ -375,6 +375,8 @@ class ServerWeights:
         self._lagging: set[str] = set()
         """Servers that missed the version the others serve: out of rotation until they
         receive a later one."""
+        self._joining: set[str] = set()
+        """Of those, added servers that had no sibling to copy the served version from."""
 
     async def apply(self, meta: WeightUpdateMeta) -> int:
         """Every server receives version `meta.version` from the trainer itself (each
@@ -402,7 +404,9 @@ class ServerWeights:
             for name in list(self._lagging):
                 if name in ok:  # caught up: back into rotation
                     self._lagging.discard(name)
-                    self.pool.waiting.discard(name)  # an added server that had no sibling to copy from
+                    if name in self._joining:  # an added server that had no sibling to copy from
+                        self._joining.discard(name)
+                        self.pool.waiting.discard(name)
                     if name not in manager.server_names:
                         manager.add_server(self.pool._adapter(name), name=name)
             if meta.epoch != self._epoch:  # a resumed trainer: its numbers start again
@@ -430,6 +434,7 @@ class ServerWeights:
                     log.warning("rollout server %s: no live server to copy v%d from; it joins with the trainer's "
                                 "next send", name, self.version)
                     self._lagging.add(name)
+                    self._joining.add(name)
                     self.pool.waiting.add(name)
         except BaseException:
             await self.retire(name)
@@ -441,6 +446,7 @@ class ServerWeights:
         whose commit would fail for every server if one member vanished."""
         async with self._lock:
             self._lagging.discard(name)
+            self._joining.discard(name)
             self.pool.waiting.discard(name)
             await self.pool.retire(name)
 
