@@ -383,3 +383,15 @@ def test_the_command_says_when_there_is_no_run_or_it_is_not_running(tmp_path) ->
     assert gone.exit_code == 1 and "is not running: nothing answers" in gone.output
     zero = runner.invoke(app, ["pool", str(tmp_path), "--servers", "0"])
     assert zero.exit_code == 2 and "at least 1" in zero.output
+
+
+def test_the_report_says_how_the_pool_changed(tmp_path) -> None:
+    from areal_like.core.metrics import MetricsLog
+    from areal_like.orchestration.report import make_report
+
+    mlog = MetricsLog(tmp_path / "metrics.jsonl")
+    for size, added, drained in ((1, 0, 0), (1, 0, 0), (3, 2, 0), (3, 2, 0), (2, 2, 1)):
+        mlog.write("rollout", 0, pool_size=float(size), servers_added=float(added), servers_drained=float(drained))
+    mlog.close()
+    _png, text = make_report(tmp_path, tmp_path / "report")
+    assert "rollout servers: 1 -> 3 -> 2 (2 added, 1 drained)" in text
