@@ -99,19 +99,28 @@ class FakeLauncher:
         self.actors: dict[str, FakeActor] = {}
         self.placed: list[Any] = []
 
+        self.placements: dict[str, Any] = {}
+        self.removed: list[Any] = []
+        self.places = False
+        """True: a launcher that places (Ray): `place` makes a group."""
+
     async def aspawn(self, cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], *, name: str,
-                     **_: Any) -> FakeActor:
+                     placement: Any = None, **_: Any) -> FakeActor:
         self.actors[name] = FakeActor(name)
+        self.placements[name] = placement
         return self.actors[name]
 
     def kill(self, handle: FakeActor) -> None:
         handle.killed.set()
 
-    def place(self, *a: Any) -> None:
+    def place(self, name: str, bundles: list[dict[str, float]], strategy: str = "PACK") -> Any:
+        if self.places:
+            self.placed.append((name, bundles, strategy))
+            return f"group-{len(self.placed)}"
         return None
 
     def remove(self, group: Any) -> None:
-        pass
+        self.removed.append(group)
 
 
 def _cfg(tmp_path: Path, *sets: str) -> Any:
@@ -395,3 +404,34 @@ def test_the_report_says_how_the_pool_changed(tmp_path) -> None:
     mlog.close()
     _png, text = make_report(tmp_path, tmp_path / "report")
     assert "rollout servers: 1 -> 3 -> 2 (2 added, 1 drained)" in text
+
+
+def test_under_a_launcher_that_places_an_added_server_gets_a_group_of_its_own(tmp_path) -> None:
+    """Ray: the pool's placement group has `num_servers` bundles; an added server asks for
+    one more bundle of the same shape (the demand Ray's autoscaler sees), given back when
+    it is drained."""
+    from areal_like.orchestration.elastic import PoolSizer
+    from areal_like.orchestration.server_pool import ServerPool, ServerWeights
+    from rollout_cluster.server_manager import ServerManager
+
+    cfg = _cfg(tmp_path, "cluster.rollout_pool.num_cpus=2")
+
+    async def main() -> None:
+        launcher = FakeLauncher()
+        launcher.places = True
+        pool = ServerPool(cfg, Path("/nonexistent"), "the-pool-group", launcher=launcher)
+        weights = ServerWeights(pool)
+        weights.manager = manager = ServerManager(await pool.start())
+        gate = StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent)
+        sizer = PoolSizer(cfg, pool, weights, manager, gate)
+        sizer.request(2)
+        await _settle(sizer)
+        assert launcher.placed == [("rollout_pool", [{"CPU": 2.0}], "PACK")]
+        assert (launcher.placements["server-0"].group, launcher.placements["server-0"].bundle) == ("the-pool-group", 0)
+        assert (launcher.placements["server-1"].group, launcher.placements["server-1"].bundle) == ("group-1", 0)
+        sizer.request(1)
+        await _settle(sizer)
+        assert launcher.removed == ["group-1"] and pool.names == ["server-0"]
+        await pool.close()
+
+    asyncio.run(main())
