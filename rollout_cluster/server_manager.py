@@ -191,9 +191,32 @@ class ServerManager:
         for session in self._sticky.sessions_of(name):
             del self._sticky[session]
 
+    async def drain(self, name: str, timeout_s: float) -> int:
+        """Take a server out of rotation for good (an elastic pool shrinking, never a
+        failure): no new episode or later turn goes to it (its sessions move), and the calls
+        already on it may finish there for up to `timeout_s`. Returns how many were still
+        running then: the caller stops the server, and each of those calls fails over to
+        another server as after a death (the turn is generated again there), uncounted,
+        because the server is no longer this manager's."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise KeyError(f"no server named {name!r} in rotation; servers: {sorted(self._slots)}")
+        self.remove_server(name)
+        self._restart_attempts.pop(name, None)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while slot.in_flight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return slot.in_flight
+
     @property
     def server_names(self) -> list[str]:
         return list(self._slots)
+
+    @property
+    def restarting(self) -> list[str]:
+        """Servers being restarted (out of rotation until they are back)."""
+        return list(self._restarting)
 
     def in_flight(self) -> dict[str, int]:
         return {name: slot.in_flight for name, slot in self._slots.items()}

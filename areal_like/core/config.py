@@ -231,6 +231,12 @@ class RolloutConfig(_Section):
     stays down. When no server is left the run stops with the engine's error, exit 1."""
     server_restart_backoff_s: float = Field(5.0, ge=0.0, le=600.0)
     """Wait before a server's first restart; doubled for each further attempt."""
+    max_servers: int = Field(8, ge=1, le=1024)
+    """Most servers the pool may be grown to while the run goes (`areal-like pool RUN_DIR
+    --servers N`, docs/launching.md); `num_servers` when that is larger."""
+    drain_timeout_s: float = Field(60.0, ge=0.0, le=3600.0)
+    """A server drained out of the pool finishes the calls already on it for at most this
+    long; the rest are handed back and generated again on the other servers."""
 
     @model_validator(mode="before")
     @classmethod

@@ -26,12 +26,14 @@ import struct
 import time
 from pathlib import Path
 
-__all__ = ["CoreLedger", "ThreadLender"]
+__all__ = ["ROLLOUT_SLOTS", "CoreLedger", "ThreadLender"]
 
 log = logging.getLogger(__name__)
 
 _SLOTS = 64
 _BASE = {"rollout": 0, "train": 32}
+ROLLOUT_SLOTS = 32
+"""Servers numbered past this (a pool grown far while the run goes) lend nothing."""
 
 
 class CoreLedger:

@@ -91,6 +91,14 @@ class StalenessGate:
         """Episodes stopped before finishing (shutdown); they release their slots."""
         self.s.running -= min(n, self.s.running)
 
+    def set_max_concurrent(self, n: int) -> None:
+        """The pool grew or shrank (docs/design.md §10.24): running episodes are bounded by
+        what the servers now there may run. η's bound does not depend on it. Episodes
+        already running past a lowered bound finish; nothing more is admitted until then."""
+        if n < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {n}")
+        self.max_concurrent = n
+
     def on_trainer_counts(self, consumed: int, dropped: int, sent_base: int = 0) -> None:
         """Apply a trainer announcement's cumulative counts. Repeated or reordered
         announcements are harmless (max keeps the newest). The version in the same

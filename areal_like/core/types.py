@@ -350,8 +350,17 @@ class ServerPoolCounters(_Strict):
     generate_retries: float = 0.0
     server_restarts: float = 0.0
     servers_waiting_for_weights: float = 0.0
-    """Restarted servers with no live sibling to copy the served version from: they wait
-    out of rotation until the trainer sends its current version again."""
+    """Restarted or added servers with no live sibling to copy the served version from:
+    out of rotation until the trainer sends its current version again. Below: the elastic
+    pool (§10.24; `servers` counts those in rotation, a drained one is no failure)."""
+    pool_size: float = 0.0
+    servers_target: float = 0.0
+    servers_starting: float = 0.0
+    servers_draining: float = 0.0
+    servers_added: float = 0.0
+    servers_drained: float = 0.0
+    max_concurrent: float = 0.0
+    resize_error: str = ""  # why the pool could not reach `servers_target`
 
 
 class RolloutSeconds(_Strict):
@@ -556,6 +565,8 @@ class VersionAnnouncement(_Strict):
     """Sender → `[upto, *more]`: every data frame of this epoch up to seq `upto` has reached
     the trainer, and so have those in `more`; the sender stops keeping them for a resend
     (docs/design.md §10.7)."""
+    servers: int = Field(0, ge=0)
+    """Rollout servers asked for (`areal-like pool`, §10.24); 0: none asked."""
 
     @property
     def stop(self) -> bool:

@@ -355,6 +355,30 @@ def report(
     typer.echo(f"plots: {png}")
 
 
+@app.command()
+def pool(
+    run_dir: Path = typer.Argument(..., help="The running run's folder (run.dir)."),
+    servers: int = typer.Option(None, "--servers", help="Rollout servers the run should have (grow or drain to N)."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Return once the rollout side reports N servers."),
+    timeout: float = typer.Option(300.0, help="Seconds to wait for that."),
+    url: str = typer.Option(None, help="The run's dashboard URL (default: the one run.json names)."),
+    token: str = typer.Option(None, envvar="AREAL_LIKE_DASHBOARD_TOKEN",
+                              help="The dashboard token (default: metrics.dashboard_token of the run's config)."),
+) -> None:
+    """Grow or drain a running run's rollout pool: add servers, or drain them out (their
+    episodes finish or move to the others); η holds throughout. Without --servers, show
+    the pool (docs/launching.md, "Growing and draining the rollout pool")."""
+    import json
+
+    from areal_like.orchestration.elastic import PoolError, ask_pool
+
+    try:
+        state = ask_pool(run_dir, servers, url=url, token=token, wait=wait, timeout_s=timeout, say=typer.echo)
+    except PoolError as e:
+        _fail(str(e), code=e.code)
+    if servers is None:
+        typer.echo(json.dumps(state, indent=2))
+
 
 # ---- planning: `plan` and `profile` (areal_like.plan; docs/planning.md) ----------------------
 

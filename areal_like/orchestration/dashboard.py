@@ -23,6 +23,13 @@ Routes:
     GET /                    the page
     GET /static/<file>       its script and stylesheet
     GET /api/data?since=T    JSON below; series hold only points with time > T
+    GET /api/pool            the rollout pool: the server count asked for and what the
+                             rollout side reports (`elastic.PoolRequest.state`)
+    POST /api/pool           {"servers": N}: ask for N rollout servers (docs/design.md
+                             §10.24); 400 with {"error": ...} for a bad N, 409 while the
+                             run ends. Only `Content-Type: application/json`, which a page
+                             of another origin cannot send without the browser asking first
+                             (no cross-site form can resize a loopback run's pool)
     GET /metrics             Prometheus text exposition of the registry
     GET /health              {"ok": true}
 
@@ -47,6 +54,8 @@ previous reply's `latest_time` as the next `since` and appends):
                       counts are per bucket (lower bound excluded), not cumulative
     series            {name: [[time, value], ...]} with names:
         trainer_version, rollout_version                          versions over time
+        pool_size, pool_serving, pool_target                      rollout servers in the pool, in
+                                                                  rotation, and asked for (§10.24)
         gate_capacity, gate_running, gate_accepted,               staleness gate, in samples:
         gate_consumed, gate_dropped, gate_rejected_at_gate,       accepted = sent_base + sent -
         gate_free                                                 dropped; free = capacity -
@@ -120,6 +129,9 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("trainer_version", "train_step", "trainer_version"),
     ("trainer_version", "rollout", "trainer_version"),
     ("rollout_version", "rollout", "loaded_version"),
+    ("pool_size", "rollout", "pool_size"),
+    ("pool_serving", "rollout", "servers"),
+    ("pool_target", "rollout", "servers_target"),
     ("gate_capacity", "rollout", "gate_capacity"),
     ("gate_running", "rollout", "gate_running"),
     ("gate_accepted", "rollout", "gate_accepted"),  # derived in _record_value
@@ -175,6 +187,8 @@ def _number(x: Any) -> float | None:
 
 
 def _record_value(rec: dict[str, Any], field: str) -> float | None:
+    if field == "servers_target":  # 0: nothing asked (no line at 0 servers)
+        return _number(rec.get(field)) or None
     if field in ("gate_accepted", "gate_free"):
         # Mirrors StalenessGate.accepted (samples handed over and not later dropped) and
         # the staleness half of free_slots(): how many more episodes η still allows.
@@ -330,6 +344,19 @@ def _response(status: HTTPStatus, body: bytes, ctype: str, extra: dict[str, str]
         "X-Content-Type-Options": "nosniff", **(extra or {})})
 
 
+def _json(status: HTTPStatus, body: Any) -> web.Response:
+    return _response(status, json.dumps(body, separators=(",", ":")).encode(), "application/json")
+
+
+def _split(request: web.Request) -> tuple[str, dict[str, list[str]]]:
+    """The path as sent, not percent-decoded or dot-normalised, so only exact names match
+    (leading slashes collapse to one, as http.server does, so `//x` is no host name), and
+    the query."""
+    raw = request.raw_path
+    url = urlsplit("/" + raw.lstrip("/") if raw.startswith("//") else raw)
+    return url.path, parse_qs(url.query)
+
+
 def _authorized(token: str | None, request: web.Request, query: dict[str, list[str]]) -> bool:
     if token is None:
         return True
@@ -356,6 +383,7 @@ class Dashboard:
         port: int = 0,
         token: str | None = None,
         run_name: str = "",
+        pool: Any = None,
     ) -> None:
         if token is not None and not token:
             raise ValueError("dashboard token must be a non-empty string or None")
@@ -370,6 +398,8 @@ class Dashboard:
         self.port = port
         self.token = token
         self.run_name = run_name
+        self.pool = pool
+        """`elastic.PoolRequest` behind `/api/pool` (None: no such route)."""
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -387,6 +417,8 @@ class Dashboard:
 
     async def _handle(self, request: web.Request) -> web.Response:
         try:
+            if self.pool is not None and _split(request)[0] == "/api/pool":
+                return await self._pool_route(request)
             return self._route(request)
         except Exception:
             log.exception("dashboard request from %s failed", request.remote)
@@ -395,12 +427,7 @@ class Dashboard:
     def _route(self, request: web.Request) -> web.Response:
         if request.method != "GET":
             return _response(HTTPStatus.NOT_IMPLEMENTED, b"only GET is served", "text/plain")
-        # The path as sent, not percent-decoded or dot-normalised: only exact names match
-        # (leading slashes collapse to one, as http.server does, so `//x` is no host name).
-        raw = request.raw_path
-        url = urlsplit("/" + raw.lstrip("/") if raw.startswith("//") else raw)
-        query = parse_qs(url.query)
-        path = url.path
+        path, query = _split(request)
         if path == "/health":
             return _response(HTTPStatus.OK, b'{"ok":true}', "application/json")
         if path.startswith("/static/"):
@@ -423,6 +450,30 @@ class Dashboard:
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.registry.exposition(), CONTENT_TYPE_LATEST)
         return _response(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
+
+    async def _pool_route(self, request: web.Request) -> web.Response:
+        """`/api/pool` (module docstring): the one route that changes the run."""
+        from areal_like.orchestration.elastic import PoolError
+
+        if not _authorized(self.token, request, _split(request)[1]):
+            return _response(HTTPStatus.UNAUTHORIZED, _UNAUTHORIZED, "text/plain", extra={"WWW-Authenticate": "Bearer"})
+        if request.method == "GET":
+            return _json(HTTPStatus.OK, self.pool.state())
+        if request.method != "POST":
+            return _json(HTTPStatus.METHOD_NOT_ALLOWED, {"error": "GET or POST"})
+        if request.content_type != "application/json":
+            return _json(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, {"error": "send {\"servers\": N} as application/json"})
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return _json(HTTPStatus.BAD_REQUEST, {"error": "the body is not JSON; send {\"servers\": N}"})
+        if not isinstance(body, dict) or "servers" not in body:
+            return _json(HTTPStatus.BAD_REQUEST, {"error": "send {\"servers\": N}"})
+        try:
+            state = await asyncio.to_thread(self.pool.ask, body["servers"])
+        except PoolError as e:
+            return _json(HTTPStatus.BAD_REQUEST if e.code == 2 else HTTPStatus.CONFLICT, {"error": str(e)})
+        return _json(HTTPStatus.OK, state)
 
     def start(self) -> str:
         if self._runner is not None:

@@ -205,6 +205,11 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None,
         lines.append(f"max version lag: {max(r.get('max_version_lag', 0) for r in steps)}")
         dur = steps[-1]["time"] - t0
         lines.append(f"wall time: {dur:.0f} s, {sum(r.get('samples', 0) for r in steps) / max(dur, 1e-9):.1f} samples/s")
+    sizes = [int(r["pool_size"]) for r in rollout if isinstance(r.get("pool_size"), (int, float)) and r["pool_size"]]
+    if len(set(sizes)) > 1:  # the pool was resized while the run went (docs/design.md §10.24)
+        path = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
+        lines.append("rollout servers: " + " -> ".join(map(str, path)) + f" ({rollout[-1].get('servers_added', 0):.0f} "
+                     f"added, {rollout[-1].get('servers_drained', 0):.0f} drained)")
     if evals:
         lines.append("held-out accuracy: " + ", ".join(f"v{r['version']}={r['accuracy']:.2f}" for r in evals))
     if summary:

@@ -89,6 +89,7 @@ class RolloutController:
         apply_weights: Callable[[WeightUpdateMeta], Awaitable[int]],
         join_weights: Callable[[VersionAnnouncement], Awaitable[None]] | None = None,
         hold_servers: Callable[[bool], Awaitable[None]] | None = None,
+        resize_pool: Callable[[int], None] | None = None,
         counters: Callable[[], RolloutCounters] = RolloutCounters,
         eval_rows: list[dict[str, Any]] | None = None,
         eval_every: int = 0,
@@ -118,6 +119,8 @@ class RolloutController:
                                  wake=self._wake.set, loaded_version=loaded_version)
         self.outbox = Outbox(send, self.follow, self.book, counters)
         self.hold = ServerHold(hold_servers, report=self._report)
+        self.resize_pool = resize_pool
+        """Asked for a server count by an announcement: the elastic pool (docs/design.md §10.24)."""
         self.evals = Evaluator(rows=eval_rows or [], every=eval_every, sampling=eval_sampling or sampling, seed=seed,
                                timeout_s=eval_timeout_s, episodes=self.episodes, report=self._report_eval)
 
@@ -227,6 +230,8 @@ class RolloutController:
         if verdict == "newer":
             await self._rebase(ann)
         self.follow.refuse_if_another(ann)
+        if ann.servers and self.resize_pool is not None and not ann.stop:
+            self.resize_pool(ann.servers)  # returns at once; the pool grows or drains beside the schedule
         self.gate.on_trainer_counts(ann.counts.consumed, ann.counts.dropped, ann.counts.sent_base)
         await self.hold.follow(ann, before_weights=True)
         meta = ann.weights

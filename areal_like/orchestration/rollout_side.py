@@ -89,6 +89,7 @@ class RolloutSide:
         self.manager: Any = None  # a `ServerManager` once the servers are built
         self.runner: Any = None  # the `AgentRunner` over them
         self.weights: Any = None  # a `ServerWeights` once the servers are built
+        self.sizer: Any = None  # a `PoolSizer` (the elastic pool, docs/design.md §10.24) over them
         self._rates = _Rates()
 
     def run(self) -> dict[str, Any]:
@@ -108,6 +109,7 @@ class RolloutSide:
 
     async def main(self) -> dict[str, Any]:
         from areal_like.orchestration.channels import ControlSubscriber, DataPusher
+        from areal_like.orchestration.elastic import PoolSizer
         from areal_like.orchestration.fail_fast import FailFast
         from areal_like.orchestration.rollout_controller import RolloutController, drive_rollout, make_sender
 
@@ -130,8 +132,10 @@ class RolloutSide:
                                       top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.response_length)
             if sampling.approximate_logprobs:
                 log.warning("rollout.top_p/top_k truncate sampling: importance weights are approximate")
+            gate = self._build_gate()
+            self.sizer = PoolSizer(cfg, self.pool, self.weights, self.manager, gate)
             controller = RolloutController(
-                gate=self._build_gate(),
+                gate=gate,
                 source=self._build_source(runner),
                 group_size=cfg.rollout.group_size,
                 sampling=sampling,
@@ -141,6 +145,7 @@ class RolloutSide:
                 apply_weights=self.weights.apply,
                 join_weights=self.join_weights,
                 hold_servers=self.pool.hold,
+                resize_pool=self.sizer.request,
                 counters=self.counters,
                 eval_rows=self._eval_rows(),
                 eval_every=cfg.eval.every_n_steps,
@@ -159,6 +164,8 @@ class RolloutSide:
             finally:
                 closing.cancel()
         finally:
+            if self.sizer is not None:
+                await self.sizer.stop()
             if self.manager is not None:
                 await self.manager.close()
             if self.pool is not None:
@@ -173,10 +180,12 @@ class RolloutSide:
 
     async def _no_restarts_once(self, controller: Any) -> None:
         """From the trainer's goodbye on, a server that fails (the run's end tearing things
-        down) is not restarted."""
+        down) is not restarted, and the pool is not resized."""
         await controller.stopping()
         if self.manager is not None:
             self.manager.begin_close()
+        if self.sizer is not None:
+            await self.sizer.stop()
 
     # ---- building ------------------------------------------------------------------------
     async def _build_servers_and_runner(self) -> Any:
@@ -245,7 +254,8 @@ class RolloutSide:
             await self.pool.join(ann.weight_store)
 
     def counters(self) -> RolloutCounters:
-        per = [self.pool.metrics.get(n, {}) for n in self.pool.names]
+        live = [self.pool.metrics.get(n, {}) for n in self.pool.names]
+        per = live + [self.pool.retired]  # the counters of servers drained out of the pool still count
 
         def total(key: str) -> float:
             return float(sum(m.get(key, 0.0) for m in per))
@@ -278,8 +288,9 @@ class RolloutSide:
             pool=ServerPoolCounters(servers=manager["servers"], server_failures=manager["server_failures"],
                                     generate_retries=manager["generate_retries"],
                                     server_restarts=manager.get("server_restarts", 0.0),
-                                    servers_waiting_for_weights=float(len(self.pool.waiting))),
-            engine={k: total(k) / (len(per) if k.endswith("usage") else 1)  # a usage is a mean, counts add
+                                    servers_waiting_for_weights=float(len(self.pool.waiting)),
+                                    **(self.sizer.counters() if self.sizer is not None else {})),
+            engine={k: total(k) / ((len(live) or 1) if k.endswith("usage") else 1)  # a usage is a mean, counts add
                     for k in sorted({k for m in per for k in m if k.startswith("vllm_")})},
             per_server=self.pool.per_server(),
         )

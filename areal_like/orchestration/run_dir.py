@@ -160,6 +160,18 @@ class RunDir:
         write_atomic(self.identity, json.dumps(state))
         return str(state["run_id"]), state["epoch"]
 
+    def note_dashboard(self, url: str | None) -> None:
+        """Name the running trainer's dashboard in run.json (None: it stopped), so commands
+        given only the run folder find the run (`areal-like pool`, docs/design.md §10.24)."""
+        if not self.identity.is_file():
+            return
+        state = json.loads(self.identity.read_text())
+        if url:
+            state["dashboard"] = url
+        else:
+            state.pop("dashboard", None)
+        write_atomic(self.identity, json.dumps(state))
+
     # ---- checkpoints ------------------------------------------------------------------
     def checkpoint_dir(self, version: int) -> Path:
         return self.checkpoints / f"v{version:06d}"

@@ -5,9 +5,11 @@
 device, and keeps their handles; it hands the server manager `ActorServer` adapters for
 routing, tells every server to join the weight
 group and to receive each version (the bytes go from the trainer's rank 0 straight into
-each server, never through this process), restarts a dead server in its own bundle, and
-polls metrics in the background so the controller's counters never wait on an actor.
-`ServerWeights` loads each version onto the pool and handles the servers that fail it.
+each server, never through this process), restarts a dead server in its own bundle, adds a server to the running pool and
+retires one drained out of it (docs/design.md §10.24), and polls metrics in the
+background so the controller's counters never wait on an actor. `ServerWeights` loads
+each version onto the pool, handles the servers that fail it, and brings a server in or
+out between two versions.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,26 @@ from areal_like.core.config import ExperimentConfig
 from areal_like.core.logs import run_log_path
 from areal_like.core.types import ServerCounters, WeightUpdateMeta
 
-__all__ = ["ServerPool", "ServerWeights"]
+__all__ = ["RETIRED_COUNTERS", "ServerPool", "ServerWeights"]
 
 log = logging.getLogger(__name__)
+
+RETIRED_COUNTERS = frozenset({
+    "generated_tokens", "engine_step_seconds_total", "engine_idle_seconds_total", "weight_update_seconds_total",
+    "held_seconds_total", "process_cpu_s", "borrowed_thread_s", "interrupts", "interrupted_tokens",
+    "recompute_tokens"})
+"""A server's cumulative counters: a drained server's are kept (`ServerPool.retired`), so
+the rollout side's totals never go back when the pool shrinks."""
+
+
+@dataclass
+class _Seat:
+    """Where a server runs: its number (seed, core-ledger slot), its placement, and the
+    placement group made for it alone (a server added to the running pool under Ray)."""
+
+    index: int
+    placement: Any
+    own_group: Any = None
 
 
 class ServerPool:
@@ -37,6 +57,10 @@ class ServerPool:
         self.launcher = launcher if launcher is not None else connect("ray")
         """Who starts the servers (`areal_like.launcher`; none given: the Ray this process is in)."""
         self.names = [f"server-{i}" for i in range(cfg.rollout.num_servers)]
+        """The pool's servers (dead ones awaiting a restart included; drained ones leave it)."""
+        self.seats = {n: _Seat(i, None) for i, n in enumerate(self.names)}
+        self._added = len(self.names)
+        """Servers ever started under a name of their own: the next one's number."""
         self.actors: dict[str, Any] = {}
         self.info: dict[str, dict[str, Any]] = {}
         self.versions: dict[str, int] = {}
@@ -51,6 +75,8 @@ class ServerPool:
         """Restarted servers waiting for the trainer to send the served version again."""
         self.held = False
         """`cluster.colocate`: the servers are paused for the trainer's step."""
+        self.retired: dict[str, float] = {}
+        """The cumulative counters of servers drained out of the pool (they still count)."""
 
     # ---- starting ---------------------------------------------------------------------
     async def _spawn(self, name: str) -> Any:
@@ -59,22 +85,24 @@ class ServerPool:
         from rollout_cluster.server_actor import ServerActor
 
         cfg = self.cfg
-        i = self.names.index(name)
-        args, kwargs = self._server_args(i)
+        seat = self.seats[name]
+        i = seat.index
+        args, kwargs = self._server_args(name, i)
         return await self.launcher.aspawn(
-            ServerActor, args, kwargs, name=name, cpus=rollout_bundles(cfg)[i]["CPU"], gpus=server_gpu_request(cfg),
+            ServerActor, args, kwargs, name=name, cpus=rollout_bundles(cfg)[0]["CPU"], gpus=server_gpu_request(cfg),
             threads=cfg.rollout.server_threads, env={"TOKENIZERS_PARALLELISM": "false"},
             stdio=None if cfg.run.verbose else str(run_log_path(cfg.run.dir)),
-            placement=Placement(self.placement_group, i),
+            placement=seat.placement or Placement(self.placement_group, i),
             concurrency=10_000, record_calls=False)  # every generate call and metrics poll is a call
 
-    def _server_args(self, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _server_args(self, name: str, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        from areal_like.core.cores import ROLLOUT_SLOTS
         from areal_like.orchestration.pools import thread_lending
 
         cfg = self.cfg
-        lending = thread_lending(cfg)
+        lending = thread_lending(cfg) if i < ROLLOUT_SLOTS else None  # the ledger has a slot per server number
         lend = {"path": lending["path"], "index": i, "borrow": lending["rollout_borrow"]} if lending else None
-        return (self.names[i], str(self.model_path), cfg.rollout.engine.model_dump(mode="json")), dict(
+        return (name, str(self.model_path), cfg.rollout.engine.model_dump(mode="json")), dict(
             lend=lend,
             interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i,
             threads=cfg.rollout.server_threads, weight_sync=cfg.weight_sync.model_dump(mode="json"),
@@ -129,17 +157,92 @@ class ServerPool:
         if old is not None:
             self.launcher.kill(old)
         handle = await self._start_one(name)
+        await self._catch_up(name, handle, loaded_version)
+        return self._adapter(name)
+
+    async def add(self) -> str:
+        """Start one more server (the pool grows while the run goes, docs/design.md §10.24)
+        under a name never used before, in a placement of its own (under Ray a placement
+        group of one bundle shaped like the pool's: a pending one is what Ray's autoscaler
+        adds nodes for). It joins the weight group; the caller brings it to the served
+        version (`catch_up`) before it takes a call. A server that cannot start is not
+        left behind (`ConfigError`, its one line)."""
+        from areal_like.core.config import ConfigError
+        from areal_like.launcher import Placement
+        from areal_like.orchestration.pools import rollout_bundles
+
+        name = f"server-{self._added}"
+        self._added += 1
+        group = None
+        if self.placement_group is not None:  # a launcher that places (Ray): a group of its own
+            cfg = self.cfg
+            group = await asyncio.to_thread(self.launcher.place, "rollout_pool", rollout_bundles(cfg)[:1],
+                                            cfg.cluster.rollout_pool.strategy)
+        self.seats[name] = _Seat(self._added - 1, Placement(group, 0) if group is not None else None, group)
+        self.names.append(name)
+        try:
+            await self._start_one(name)
+        except BaseException as e:
+            if name in self.actors:  # started, then failed to join: stopped with the rest of it
+                self.launcher.kill(self.actors[name])
+            self._forget(name)
+            if isinstance(e, Exception):
+                cause = getattr(e, "cause", None) or e
+                raise ConfigError(_first_line(cause)) from None
+            raise
+        return name
+
+    async def retire(self, name: str) -> None:
+        """A drained server leaves the pool: no more versions for it, out of the weight
+        group by its name (the trainer's next transfer does not wait for it, and nothing
+        counts it as failed), closed and stopped, its placement given back."""
+        self._alive.discard(name)
+        if self._rendezvous and self.cfg.weight_sync.type == "dist":
+            await self._leave(name, self._rendezvous)
+        handle = self.actors.get(name)
+        if handle is not None:
+            try:
+                await asyncio.wait_for(handle.close.remote(), timeout=10)
+            except Exception as e:  # gone already, or stuck: it is killed either way
+                log.info("rollout server %s did not close cleanly: %s", name, _first_line(e))
+            self.launcher.kill(handle)
+        for key, value in self.metrics.get(name, {}).items():
+            if key in RETIRED_COUNTERS:
+                self.retired[key] = self.retired.get(key, 0.0) + value
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self._alive.discard(name)
+        self.actors.pop(name, None)
+        self.info.pop(name, None)
+        self.versions.pop(name, None)
+        self.metrics.pop(name, None)
+        if name in self.names:
+            self.names.remove(name)
+        seat = self.seats.pop(name, None)
+        if seat is not None and seat.own_group is not None:
+            self.launcher.remove(seat.own_group)
+
+    async def copy_version(self, name: str, loaded_version: int) -> bool:
+        """Copy the served version into a fresh server from a live sibling (through this
+        process: a restart or an added server, not the sync path); whether it now serves it."""
         if loaded_version > self.versions[name]:
             donor = next((n for n in self.names if n in self._alive and n != name
                           and self.versions.get(n, -1) >= loaded_version), None)
             if donor is not None:
-                try:  # sibling to sibling through this process: a restart, not the sync path
+                try:
                     exported = await self.actors[donor].export_weights.remote()
-                    self.versions[name] = max(self.versions[name], await handle.load_weights.remote(exported))
+                    loaded = await self.actors[name].load_weights.remote(exported)
+                    self.versions[name] = max(self.versions[name], loaded)
                     log.info("rollout server %s: v%d copied from %s", name, self.versions[name], donor)
                 except Exception as e:  # vLLM cannot export; a donor may die meanwhile
                     log.info("rollout server %s: copying from %s failed (%s)", name, donor, _first_line(e))
-            if self.versions[name] < loaded_version:
+        return self.versions[name] >= loaded_version
+
+    async def _catch_up(self, name: str, handle: Any, loaded_version: int) -> None:
+        """Load the served version into a restarted server before it takes a call: copied
+        from a live sibling, or (none can give it) received with the trainer's next send."""
+        if not await self.copy_version(name, loaded_version):
                 log.warning("rollout server %s: no live server to copy v%d from; it asks the trainer for it",
                             name, loaded_version)
                 self.waiting.add(name)
@@ -149,7 +252,10 @@ class ServerPool:
                         await self._loaded.wait()
                 finally:
                     self.waiting.discard(name)
-        return self._adapter(name)
+
+    def is_alive(self, name: str) -> bool:
+        """Started and not found dead (a server being restarted is not, until it is back)."""
+        return name in self._alive
 
     def mark_dead(self, name: str) -> None:
         """A server died: out of the weight group at once, so the trainer's next transfer
@@ -241,6 +347,10 @@ class ServerPool:
                 log.warning("closing rollout servers: %s", e)
         for h in handles:
             self.launcher.kill(h)
+        for seat in self.seats.values():  # the groups of added servers, once those are gone
+            if seat.own_group is not None:
+                self.launcher.remove(seat.own_group)
+                seat.own_group = None
         self.actors.clear()
         self._alive.clear()
 
@@ -265,6 +375,8 @@ class ServerWeights:
         self._lagging: set[str] = set()
         """Servers that missed the version the others serve: out of rotation until they
         receive a later one."""
+        self._joining: set[str] = set()
+        """Of those, added servers that had no sibling to copy the served version from."""
 
     async def apply(self, meta: WeightUpdateMeta) -> int:
         """Every server receives version `meta.version` from the trainer itself (each
@@ -292,6 +404,9 @@ class ServerWeights:
             for name in list(self._lagging):
                 if name in ok:  # caught up: back into rotation
                     self._lagging.discard(name)
+                    if name in self._joining:  # an added server that had no sibling to copy from
+                        self._joining.discard(name)
+                        self.pool.waiting.discard(name)
                     if name not in manager.server_names:
                         manager.add_server(self.pool._adapter(name), name=name)
             if meta.epoch != self._epoch:  # a resumed trainer: its numbers start again
@@ -304,6 +419,36 @@ class ServerWeights:
         serving the version the others serve before it takes any call."""
         self._lagging.discard(name)
         return await self.pool.restart(name, error, self.version)
+
+    async def add(self) -> str:
+        """One more server (docs/design.md §10.24): started outside the lock (a start takes
+        seconds; versions keep loading meanwhile), then, between two versions, brought to
+        the served one and put into rotation: copied from a sibling, or (none can give it)
+        with the trainer's next send. Returns its name."""
+        name = await self.pool.add()
+        try:
+            async with self._lock:
+                if await self.pool.copy_version(name, self.version):
+                    self.manager.add_server(self.pool._adapter(name), name=name)
+                else:  # into rotation once it receives a later version (`apply`); the trainer resends
+                    log.warning("rollout server %s: no live server to copy v%d from; it joins with the trainer's "
+                                "next send", name, self.version)
+                    self._lagging.add(name)
+                    self._joining.add(name)
+                    self.pool.waiting.add(name)
+        except BaseException:
+            await self.retire(name)
+            raise
+        return name
+
+    async def retire(self, name: str) -> None:
+        """A drained server leaves between two versions: never in the middle of a transfer,
+        whose commit would fail for every server if one member vanished."""
+        async with self._lock:
+            self._lagging.discard(name)
+            self._joining.discard(name)
+            self.pool.waiting.discard(name)
+            await self.pool.retire(name)
 
 
 def _is_server_death(error: BaseException) -> bool:

@@ -137,6 +137,7 @@ class TrainerController:
         vocab_size: int | None = None,
         reward_name: str | None = None,
         on_wait: Callable[[str], None] | None = None,
+        pool: Any = None,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -156,7 +157,8 @@ class TrainerController:
                                   timeout_s=cfg.transport.peer_timeout_s)
         acks = lambda: self.puller.acks(self.peers.epoch)  # noqa: E731 (the epoch may change)
         self.announcer = Announcer(publisher, acks=acks, heartbeat_s=cfg.transport.heartbeat_s,
-                                   accepted=lambda: self.peers.accepted)
+                                   accepted=lambda: self.peers.accepted,
+                                   servers=(lambda: pool.target) if pool is not None else (lambda: 0))
         self.reports = ReportLog()
         self.stragglers = StragglerPolicy(cfg)
         self.hold = ColocateHold(cfg, self.peers, self.reports, announce=self._announce, drain=self._drain,
@@ -168,6 +170,8 @@ class TrainerController:
         self.checkpoints = Checkpointer(run_dir, trainer, self.buffer, self.reports)
         self.end = RunEnd(cfg, self.peers, self.reports, acks=acks, announce=self._announce, drain=self._drain,
                           say=self.notes.say)
+        if pool is not None:  # `elastic.PoolRequest`: the server count asked for through the dashboard (§10.24)
+            pool.follow(lambda: self.reports.latest, lambda: self.end.stopping, lambda: self.trainer.version)
         self.sent_base = 0
 
     @property

@@ -386,10 +386,13 @@ class Announcer:
     announced once, by the schedule)."""
 
     def __init__(self, publisher: Any, *, acks: Callable[[], Any], heartbeat_s: float,
-                 accepted: Callable[[], str | None] = lambda: None) -> None:
+                 accepted: Callable[[], str | None] = lambda: None, servers: Callable[[], int] = lambda: 0) -> None:
         self.publisher = publisher
         self._acks = acks
         self._accepted = accepted
+        self._servers = servers
+        """The rollout server count asked for now (`elastic.PoolRequest`; 0: none), in
+        every announcement and heartbeat (docs/design.md §10.24)."""
         """The rollout controller the trainer accepts now: a heartbeat says it, not the one
         of the announcement it repeats (a controller accepted during a long train step
         would otherwise be unnamed there, and a second one would join the weight group
@@ -418,6 +421,8 @@ class Announcer:
         return True
 
     def publish(self, ann: VersionAnnouncement) -> None:
+        if self._servers():
+            ann = ann.model_copy(update={"servers": self._servers()})
         self.last = ann
         self.publisher.publish(ann)
 
@@ -429,7 +434,7 @@ class Announcer:
                 try:
                     who = ann.trainer.model_copy(update={"rollout_id": self._accepted()})
                     self.publisher.publish(ann.model_copy(update={"weights": None, "acked": self._acks(),
-                                                                  "trainer": who}))
+                                                                  "trainer": who, "servers": self._servers()}))
                 except Exception as e:  # the channel is closing: the schedule reports what matters
                     log.debug("heartbeat not sent: %s", e)
                     return

@@ -42,12 +42,14 @@ class TrainerSide:
         tb = self.run_dir.path / "tensorboard" if cfg.metrics.tensorboard else None
         self.mlog = MetricsLog(self.run_dir.metrics, tb, cfg.metrics.wandb_project)
         from areal_like.orchestration.dashboard import Dashboard
+        from areal_like.orchestration.elastic import PoolRequest
 
         # refuses a non-loopback bind without a token before anything else starts
         self.dashboard = Dashboard(self.mlog, self.registry, host=cfg.metrics.dashboard_host,
                                    port=cfg.metrics.dashboard_port, token=cfg.metrics.dashboard_token,
-                                   run_name=Path(cfg.run.dir).name)
+                                   run_name=Path(cfg.run.dir).name, pool=PoolRequest(cfg, self.mlog))
         self.dashboard.start()
+        self.run_dir.note_dashboard(self.dashboard.url)  # where `areal-like pool RUN_DIR` asks (§10.24)
         from areal_like.orchestration import startup
 
         startup.mark("imports")  # `areal-like train`: the first phase it passes
@@ -109,7 +111,7 @@ class TrainerSide:
             run_dir=self.run_dir, mlog=self.mlog, registry=self.registry, model_path=self.model_path,
             on_step=self.on_step, check_peers=self.check_peers, run_id=self.run_id, epoch=self.epoch,
             vocab_size=_vocab_size(self.model_path), reward_name=self.reward_name,
-            on_wait=getattr(self.on_step, "waiting", None),
+            on_wait=getattr(self.on_step, "waiting", None), pool=self.dashboard.pool,
         )
         if self.resume:
             self.controller.resume()
@@ -142,6 +144,10 @@ class TrainerSide:
 
         detach_run_log(self.log_file)
         self.dashboard.stop()
+        try:
+            self.run_dir.note_dashboard(None)
+        except OSError as e:  # the folder went away meanwhile: nothing to un-name
+            log.debug("run.json not updated: %s", e)
         if self.sender is not None:
             self.sender.close()
         self.puller.close()

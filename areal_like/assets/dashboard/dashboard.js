@@ -22,6 +22,8 @@
     { id: "chart-throughput", series: [["gen_tokens_per_s", "generation"], ["train_tokens_per_s", "training"]] },
     { id: "chart-idle", yMax: 1, series: [["trainer_idle_ratio", "trainer pool"], ["rollout_idle_ratio", "rollout pool"]] },
     { id: "chart-cores", series: [["train_cores_used", "train pool"], ["rollout_cores_used", "rollout pool"]] },
+    { id: "chart-pool", step: true, series: [["pool_size", "in the pool"], ["pool_serving", "serving"],
+      ["pool_target", "asked for"]] },
     { id: "chart-interrupts", step: true, series: [["interrupted_tokens", "interrupted tokens"],
       ["recompute_tokens", "recompute tokens"]], extra: [["interrupts", "interrupts"]] },
     { id: "chart-pause-resume", series: [["pause_resume_latency_s_max", "pause→resume (max)"]] },
