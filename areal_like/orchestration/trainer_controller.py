@@ -147,7 +147,8 @@ class TrainerController:
         """Where the time between two step records goes (`budget_*_s` in each record)."""
         self.check_peers = check_peers
         """Raises if the rollout side (when this process knows it) has died."""
-        self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
+        self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups,
+                                       cfg.rollout.group_size)
         self.rules = StopRules(cfg, reward_name or cfg.agent.reward)
         self.notes = ConsoleNotes(on_step, on_wait)
         self.vocab_size = vocab_size
