@@ -8,17 +8,18 @@ of `--config` for `--steps` steps (same seed); `--run-dir NAME:PATH` analyses a 
 run instead. From each run's metrics.jsonl, per step and in total:
 
 - `generated`: episodes the rollout side started (its reports' `started`, sampled at each
-  step's record), `trained`, `filtered` samples and `uniform_groups` (filtered / group size),
-  `screened_groups` (groups stopped after their first `rollout.screen.k` samples agreed,
-  docs/design.md §10.25; their samples are among `filtered`);
+  step's record), `trained`, `filtered` samples and `uniform_groups` (filtered samples /
+  `rollout.group_size`), `prompts_per_step` (trained groups per step: fewer than
+  `train.batch_size` once `staleness.grow_groups_to` grows them, docs/design.md §10.25);
 - `gen_per_trained`: generated / trained;
 - `idle_ratio`: the trainer's waits for a batch (`budget_wait_data_s`, `budget_wait_straggler_s`,
   `budget_wait_rollout_s`: docs/design.md §10.19) over its wall time (Σ `budget_wall_s`);
 - after the first evaluation at or above `--target`: the same over the next `--after-steps`
-  steps, their steps/s, and `uniform_homogeneous`, the uniform share a group would have if
-  every prompt had the same per-sample success rate (p^n + (1−p)^n with p the step's
-  `reward_mean_all_groups`) beside the observed one: screening can only save generation
-  when the observed share is above it (docs/design.md §10.25);
+  steps, their steps/s, and `uniform_homogeneous`, the uniform share a group of
+  `rollout.group_size` would have if every prompt had the same per-sample success rate
+  (p^n + (1−p)^n with p the step's `reward_mean_all_groups`) beside the observed one:
+  screening can only save generation when the observed share is well above it
+  (docs/design.md §10.25; with grown groups the observed share is of larger groups);
 - held-out accuracy (the last evaluation and the best); whether the outcome counts add up,
   no sample went over-stale and every lag stayed within η; with `--audit`, whether
   `areal-like audit` passes (the runs then record trajectories and weights).
@@ -65,7 +66,7 @@ def _window(steps: list[dict[str, Any]], started_at: list[float], started: list[
     generated = started_by(steps[-1]["time"]) - (started_by(prev["time"]) if prev else 0)
     trained = sum(int(r["samples"]) for r in steps if not r.get("skipped"))
     filtered = int(steps[-1]["filtered"]) - (int(prev["filtered"]) if prev else 0)
-    screened = int(steps[-1].get("screened_groups", 0)) - (int(prev.get("screened_groups", 0)) if prev else 0)
+    prompts = sum(sum(r.get("head_lag_hist", {}).values()) for r in steps)  # one count per trained group
     wall = sum(r.get("budget_wall_s", 0.0) for r in steps)
     waits = sum(r.get(k, 0.0) for r in steps for k in WAITS)
     n = group_size
@@ -77,7 +78,7 @@ def _window(steps: list[dict[str, Any]], started_at: list[float], started: list[
         "trained": trained,
         "filtered": filtered,
         "uniform_groups": filtered // n,
-        "screened_groups": screened,
+        "prompts_per_step": round(prompts / len(steps), 2),
         "gen_per_trained": round(generated / trained, 3) if trained else None,
         "idle_ratio": round(waits / wall, 3) if wall else None,
         "steps_per_s": round(len(steps) / (steps[-1]["time"] - t0), 3) if steps[-1]["time"] > t0 else None,
@@ -108,7 +109,7 @@ def analyse(run_dir: Path, *, target: float, after_steps: int, group_size: int, 
     for i, r in enumerate(steps):
         w = _window([r], started_at, started, steps[i - 1] if i else None, group_size)
         per_step.append({"step": r["step"], **{k: w[k] for k in ("generated", "trained", "filtered", "uniform_groups",
-                                                                  "screened_groups", "gen_per_trained", "idle_ratio")}})
+                                                                  "prompts_per_step", "gen_per_trained", "idle_ratio")}})
     total = _window(steps, started_at, started, None, group_size)
     total["generated"] = int(summary.get("started", total["generated"]))  # every episode the run started
     total["gen_per_trained"] = round(total["generated"] / total["trained"], 3) if total["trained"] else None
