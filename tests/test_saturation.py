@@ -61,6 +61,7 @@ def test_a_grown_group_counts_as_that_many_prompts_of_a_batch() -> None:
     assert buf.put(_group("a", [1, 0, 1, 1, 1, 1, 1, 1])) is None  # 8 = 2 prompts' worth
     assert buf.pop_batch(0, 3) is None
     assert buf.put(_group("b", [1, 0, 1, 1])) is None
+    assert buf.num_groups == 2 and buf.prompts == 3
     out = buf.pop_batch(0, 3)
     assert out is not None and [g.group_id for g in out] == ["a", "b"]
     old = TrajectoryBuffer(max_staleness=2)  # without group_size every group is one

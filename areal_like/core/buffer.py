@@ -88,7 +88,7 @@ class TrajectoryBuffer:
             else:
                 kept.append(g)
         self._queue = kept
-        if sum(self._units(g) for g in self._queue) < num_groups:
+        if self.prompts < num_groups:
             return None
         order = sorted(range(len(self._queue)), key=lambda i: (self._queue[i].head_version, i))
         chosen: set[int] = set()
@@ -127,6 +127,11 @@ class TrajectoryBuffer:
     @property
     def num_groups(self) -> int:
         return len(self._queue)
+
+    @property
+    def prompts(self) -> int:
+        """Groups waiting, a grown one counted as the prompts it stands for (`pop_batch`)."""
+        return sum(self._units(g) for g in self._queue)
 
     def summary(self, started: int, cancelled: int) -> dict[str, int]:
         """Outcome counts (docs/design.md §9.5); `started` must equal the sum of the rest."""
