@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import logging
 import sys
 import time
@@ -133,6 +134,18 @@ def analyse(run_dir: Path, *, target: float, after_steps: int, group_size: int, 
     }
 
 
+def _recorded_cpu(run_dir: str) -> dict[str, float] | None:
+    """The other-process CPU recorded when this benchmark ran `run_dir` (its line in
+    bench/results/saturation.jsonl), so a later analysis of the same run keeps it."""
+    path = _record.RESULTS / "saturation.jsonl"
+    found = None
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        for r in json.loads(line).get("runs", {}).values():
+            if Path(r.get("run_dir", "")).resolve() == Path(run_dir).resolve() and "run_other_cores" in r:
+                found = {"other_cores": r["run_other_cores"]}
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,K=V",
@@ -160,7 +173,7 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     for spec in args.run_dir:
         name, _, path = spec.partition(":")
-        runs[name] = {"run_dir": path, "cpu": None}
+        runs[name] = {"run_dir": path, "cpu": _recorded_cpu(path)}
     for spec in args.variant:
         name, _, kv = spec.partition(":")
         sets = [f"train.total_steps={args.steps}", "run.checkpoint_every_n_steps=100000", *args.set,
