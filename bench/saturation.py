@@ -24,7 +24,7 @@ run instead. From each run's metrics.jsonl, per step and in total:
   no sample went over-stale and every lag stayed within η; with `--audit`, whether
   `areal-like audit` passes (the runs then record trajectories and weights).
 
-    python bench/saturation.py --variant base: --variant screen:rollout.screen.k=4
+    python bench/saturation.py --variant base: --variant grown:staleness.grow_groups_to=32
     python bench/saturation.py --run-dir base:runs/quickstart --no-record
     python bench/saturation.py --smoke    # one 3-step run of 2 prompts, temporary folder
 
@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.9, help="held-out accuracy that counts as saturated")
     ap.add_argument("--after-steps", type=int, default=60, help="steps after the target that are measured")
     ap.add_argument("--config", default="configs/quickstart.yaml")
+    ap.add_argument("--timeout-s", type=float, default=4 * 3600,
+                    help="per run (a saturated quickstart on a busy 2-core machine ran 84 steps in 30 minutes)")
     ap.add_argument("--set", action="append", default=[], metavar="K=V", help="for every variant")
     ap.add_argument("--per-step", action="store_true", help="keep the per-step rows in the JSON line")
     ap.add_argument("--audit", action="store_true", help="record trajectories and weights and run `areal-like audit` "
@@ -181,7 +183,7 @@ def main() -> None:
                 *[x for x in kv.split(",") if x]]
         run_dir = out / name
         t0 = time.time()
-        cpu = run_cli(args.config, sets, run_dir)
+        cpu = run_cli(args.config, sets, run_dir, timeout_s=args.timeout_s)
         log.info("%s: %d steps in %.0f s, other processes %.2f cores", name, args.steps, time.time() - t0,
                  cpu["other_cores"])
         runs[name] = {"run_dir": str(run_dir), "cpu": cpu, "sets": sets}
