@@ -3,7 +3,7 @@ back uniform, `staleness.grow_groups_to` gives later prompts larger groups, so f
 samples are thrown away per trained one, and a step still trains a full batch.
 
 The sizer and the buffer's batch alone, then two real short runs with a reward that is
-1 for ~90 % of episodes whatever the model says (most groups of 4 are uniform): the
+1 for ~95 % of episodes whatever the model says (most groups of 4 are uniform): the
 grown run trains full batches, generates fewer samples per trained sample than the
 same run without growth, keeps η (no over-stale drop, lag ≤ η) and passes the audit.
 No timing is asserted.
@@ -98,7 +98,7 @@ def _run(tiny_model_dir: Path, run_dir: Path, reward: Path, *sets: str) -> list[
 @pytest.mark.timeout(600)
 def test_mostly_uniform_rewards_grown_groups_waste_less_and_fill_every_batch(tiny_model_dir, tmp_path) -> None:
     reward = tmp_path / "mostly_one.py"
-    reward.write_text("import random\n\ndef score(sample, output):\n    return float(random.random() < 0.9)\n")
+    reward.write_text("import random\n\ndef score(sample, output):\n    return float(random.random() < 0.95)\n")
     ratios = {}
     for name, sets in (("plain", []), ("grown", ["staleness.grow_groups_to=16"])):
         recs = _run(tiny_model_dir, tmp_path / name, reward, *sets)
@@ -110,6 +110,6 @@ def test_mostly_uniform_rewards_grown_groups_waste_less_and_fill_every_batch(tin
         ratios[name] = summary["started"] / summary["trained"]
         if name == "grown":  # groups of 16 reached the trainer (one is a whole batch)
             assert any(sum(r["head_lag_hist"].values()) < 4 for r in steps)  # (one count per group)
-            assert summary["filtered"] < summary["trained"], summary
-    # p = 0.9: a group of 4 is uniform with chance 0.66 (2.9 started per trained), of 16 with 0.19 (1.2)
+    # p = 0.95: a group of 4 is uniform with chance 0.81 (5.3 started per trained), of 16 with 0.44 (1.8);
+    # the grown run starts at 4 and needs 16 groups of each size to double (~2.6 over 8 steps)
     assert ratios["grown"] < ratios["plain"], ratios
