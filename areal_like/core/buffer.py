@@ -30,9 +30,12 @@ OUTCOMES = ("trained", "rejected", "filtered", "over_stale", "failed", "skipped"
 
 
 class TrajectoryBuffer:
-    def __init__(self, max_staleness: int, filter_uniform_groups: bool = True) -> None:
+    def __init__(self, max_staleness: int, filter_uniform_groups: bool = True, group_size: int | None = None) -> None:
         self.eta = max_staleness
         self.filter_uniform_groups = filter_uniform_groups
+        self.group_size = group_size
+        """`rollout.group_size`: a group of k times it counts as k prompts of a batch (groups
+        grown by `staleness.grow_groups_to`, docs/design.md §10.25); None: every group one."""
         self._queue: deque[TrajectoryGroup] = deque()
         self.counts: dict[str, int] = {k: 0 for k in OUTCOMES if k not in ("buffered", "cancelled")}
         self.dropped_sent = 0
@@ -75,7 +78,9 @@ class TrajectoryBuffer:
         """The `num_groups` groups with the oldest head versions (arrival order among
         equals) within η of `trainer_version`, or None if fewer are available. Over-stale
         groups are dropped and counted. Oldest head first, not oldest arrival: a long
-        group that arrives behind newer ones is the one the next step would push past η."""
+        group that arrives behind newer ones is the one the next step would push past η.
+        A grown group (k × `group_size` episodes) counts as k groups: oldest first until
+        `num_groups` are covered, so a step trains at least as many samples as before."""
         kept: deque[TrajectoryGroup] = deque()
         for g in self._queue:
             if trainer_version - g.head_version > self.eta:
@@ -83,15 +88,24 @@ class TrajectoryBuffer:
             else:
                 kept.append(g)
         self._queue = kept
-        if len(self._queue) < num_groups:
+        if self.prompts < num_groups:
             return None
         order = sorted(range(len(self._queue)), key=lambda i: (self._queue[i].head_version, i))
-        chosen = set(order[:num_groups])
+        chosen: set[int] = set()
+        units = 0
+        for i in order:
+            if units >= num_groups:
+                break
+            chosen.add(i)
+            units += self._units(self._queue[i])
         out = [self._queue[i] for i in sorted(chosen, key=lambda i: (self._queue[i].head_version, i))]
         self._queue = deque(g for i, g in enumerate(self._queue) if i not in chosen)
         for g in out:
             self.lag_history.append(trainer_version - g.head_version)
         return out
+
+    def _units(self, g: TrajectoryGroup) -> int:
+        return 1 if self.group_size is None else max(1, g.size // self.group_size)
 
     def mark_trained(self, groups: list[TrajectoryGroup]) -> None:
         n = sum(len(g.trajectories) for g in groups)
@@ -113,6 +127,11 @@ class TrajectoryBuffer:
     @property
     def num_groups(self) -> int:
         return len(self._queue)
+
+    @property
+    def prompts(self) -> int:
+        """Groups waiting, a grown one counted as the prompts it stands for (`pop_batch`)."""
+        return sum(self._units(g) for g in self._queue)
 
     def summary(self, started: int, cancelled: int) -> dict[str, int]:
         """Outcome counts (docs/design.md §9.5); `started` must equal the sum of the rest."""

@@ -307,6 +307,12 @@ class StalenessConfig(_Section):
     """Most episodes running at once across the rollout pool."""
     filter_uniform_groups: bool = True
     """Drop groups whose rewards are all equal (no GRPO signal); counted as `filtered`."""
+    grow_groups_to: int = Field(0, ge=0)
+    """0 = off. Else, while most groups come back uniform (filtered), later prompts get
+    groups of up to this many episodes (`rollout.group_size` doubled, a multiple of it):
+    a larger group is uniform less often, so fewer samples are thrown away per trained
+    one; a step still trains `train.batch_size` × `rollout.group_size` samples, from
+    fewer prompts (docs/design.md §10.25)."""
 
 
 class LossConfig(_Section):
@@ -571,6 +577,7 @@ class ExperimentConfig(_Section):
                 f"staleness.max_concurrent={self.staleness.max_concurrent} < rollout.group_size="
                 f"{self.rollout.group_size}: groups are admitted whole, so no group could ever start"
             )
+        self._check_growth()
         self._check_colocate()
         if self.train.stop_at_eval_accuracy is not None and (self.eval.every_n_steps <= 0
                                                              or self.eval.num_samples <= 0):
@@ -579,6 +586,22 @@ class ExperimentConfig(_Section):
                 f"eval.every_n_steps={self.eval.every_n_steps}, eval.num_samples={self.eval.num_samples}"
             )
         return self
+
+    def _check_growth(self) -> None:
+        """`staleness.grow_groups_to`: a doubling of `rollout.group_size` that a step and the
+        gate can hold whole."""
+        g, n = self.staleness.grow_groups_to, self.rollout.group_size
+        if not g:
+            return
+        if g < n or g % n or (g // n) & (g // n - 1):
+            raise ValueError(f"staleness.grow_groups_to={g} must be rollout.group_size={n} times a power of 2")
+        if g > min(self.samples_per_step, self.staleness.max_concurrent):
+            raise ValueError(f"staleness.grow_groups_to={g} is more than a step's samples ({self.samples_per_step}) "
+                             f"or staleness.max_concurrent ({self.staleness.max_concurrent}): such a group could "
+                             "never be admitted or trained whole")
+        if not self.staleness.filter_uniform_groups:
+            raise ValueError("staleness.grow_groups_to needs staleness.filter_uniform_groups: it grows groups "
+                             "because uniform ones are thrown away")
 
     def _check_colocate(self) -> None:
         """`cluster.colocate` with GPUs: the servers run on the train pool's GPUs, one TP=1

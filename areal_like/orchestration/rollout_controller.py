@@ -57,6 +57,7 @@ from areal_like.orchestration.rollout_policies import (
     EpisodeBook,
     EpisodeRunner,
     Evaluator,
+    GroupSizer,
     Outbox,
     RolloutRefused,
     RunEpisode,
@@ -100,10 +101,13 @@ class RolloutController:
         eval_timeout_s: float = 60.0,
         episode_timeout_s: float = 600.0,
         fail_fast: FailFast | None = None,
+        grow_groups_to: int = 0,
     ) -> None:
         self.gate = gate
         self.source = source
         self.n = group_size
+        self.sizer = GroupSizer(group_size, grow_groups_to)
+        """The next prompt's episodes: `group_size`, or more once most groups are uniform (§10.25)."""
         self.stats_every_s = stats_every_s
         self.fail_fast = fail_fast or FailFast()
         """Stops the run (`RolloutFailedError`) when episodes keep failing (fail_fast.py)."""
@@ -133,8 +137,8 @@ class RolloutController:
         try:
             while not self._stop.is_set():
                 admitted = 0
-                while not self._stop.is_set() and not self.weights.awaiting and self.gate.try_admit(self.n):
-                    self._spawn_group(self.source.next())  # n episodes → one TrajectoryGroup → trainer
+                while not self._stop.is_set() and not self.weights.awaiting and self.gate.try_admit(self.sizer.size):
+                    self._spawn_group(self.source.next(), self.sizer.size)  # n episodes → one TrajectoryGroup → trainer
                     admitted += 1
                 if admitted:  # the trainer learns of new groups now, not at the next report
                     await self._report()
@@ -165,32 +169,33 @@ class RolloutController:
         """The newest version the servers have loaded (the gate's `v`)."""
         return self.weights.version
 
-    def _spawn_group(self, row: dict[str, Any]) -> None:
-        gid = self.book.new_group(self.follow.epoch, self.loaded_version)
-        task = asyncio.create_task(self._run_group(row, gid), name=gid)
+    def _spawn_group(self, row: dict[str, Any], n: int) -> None:
+        gid = self.book.new_group(self.follow.epoch, self.loaded_version, n)
+        task = asyncio.create_task(self._run_group(row, gid, n), name=gid)
         self._groups.add(task)
         task.add_done_callback(self._groups.discard)
         task.add_done_callback(lambda t: self.book.ended(t.get_name()))
 
-    async def _run_group(self, row: dict[str, Any], gid: str) -> None:
+    async def _run_group(self, row: dict[str, Any], gid: str, n: int) -> None:
         epoch = self.follow.epoch
-        results = await asyncio.gather(*(self._episode(row, gid, i) for i in range(self.n)))
+        results = await asyncio.gather(*(self._episode(row, gid, i) for i in range(n)))
         self.book.delivering.add(gid)  # from here on the group is delivered, not cancelled
         trajs = [r for r in results if isinstance(r, Trajectory)]
         reasons = [r for r in results if isinstance(r, str) and r != "rejected"]
         rejected = sum(1 for r in results if r == "rejected")
-        self.fail_fast.group(len(reasons), self.n)
+        self.fail_fast.group(len(reasons), n)
         group = TrajectoryGroup(
             group_id=gid, trajectories=trajs, failed=len(reasons), rejected=rejected, failure_reasons=reasons[:4]
         )
         await self.outbox.send(group)
         # a prompt every sample solves, again and again, may be skipped
-        self.source.record(row, [t.reward for t in trajs], self.n)
+        self.source.record(row, [t.reward for t in trajs], n)
+        self.sizer.ended(n, [t.reward for t in trajs])
         if epoch != self.follow.epoch:  # the trainer restarted meanwhile: the old epoch's, not counted here
             self.book.delivering.discard(gid)
             return
         self.book.count(trajs, rejected, len(reasons))
-        self.gate.on_group_done(self.n, len(trajs))
+        self.gate.on_group_done(n, len(trajs))
         self.book.delivering.discard(gid)
         self._wake.set()
 
@@ -308,7 +313,7 @@ class RolloutController:
         if self.weights.awaiting:
             return "wait_weights"
         g = self.gate
-        if g.capacity - g.accepted - g.s.running < self.n:
+        if g.capacity - g.accepted - g.s.running < self.sizer.size:
             return "wait_gate"
         return "wait_concurrency"
 

@@ -8,6 +8,7 @@
     ServerHold     `cluster.colocate`: pause the servers while the trainer's step has the devices
     Evaluator      sampled accuracy on held-out rows per evaluated version, and its progress
     Outbox         frames out: stamped with this side's origin, the seconds spent sending and waiting
+    GroupSizer     how many episodes the next prompt gets (`staleness.grow_groups_to`, §10.25)
 
 They log under the controller's logger, so the run's log reads as it did before they
 were split out of it.
@@ -41,7 +42,7 @@ from areal_like.core.types import (
 from areal_like.orchestration.fail_fast import FailFast
 from rollout_cluster.server_manager import NoServerAvailableError
 
-__all__ = ["EpisodeBook", "EpisodeRunner", "Evaluator", "Outbox", "RolloutRefused", "ServerHold", "TrainerFollow",
+__all__ = ["EpisodeBook", "EpisodeRunner", "Evaluator", "GroupSizer", "Outbox", "RolloutRefused", "ServerHold", "TrainerFollow",
            "WeightsIn", "episode_seed", "newest_weights_only"]
 
 log = logging.getLogger("areal_like.orchestration.rollout_controller")
@@ -111,6 +112,42 @@ class TrainerFollow:
         return Origin(run_id=self.run_id or "", epoch=self.epoch, sender=self.sender, started=started)
 
 
+class GroupSizer:
+    """How many episodes the next prompt gets (docs/design.md §10.25). Off (`largest` =
+    `base`), always `base`. Else it watches the last `window` groups of the current size:
+    when at least `grow_at` of them came back uniform (every reward equal: filtered, no
+    GRPO signal) the size doubles, up to `largest`; when at most `shrink_at` did, it halves,
+    down to `base`. If every prompt had the same success rate p, a group of n is uniform
+    with chance p^n + (1−p)^n, so doubling squares the uniform share near saturation
+    (0.5 → 0.25): the thresholds leave room between them so the size does not swing."""
+
+    def __init__(self, base: int, largest: int = 0, window: int = 16, grow_at: float = 0.5,
+                 shrink_at: float = 0.15) -> None:
+        self.base, self.largest = base, max(base, largest)
+        self.size = base
+        self.window, self.grow_at, self.shrink_at = window, grow_at, shrink_at
+        self._seen: list[bool] = []
+        """Uniform or not, for the groups of the current size that ended (newest last)."""
+
+    def ended(self, size: int, rewards: list[float]) -> None:
+        """A group of `size` episodes ended with these rewards (its members that produced a
+        sample). A group whose size is no longer current says nothing about the current one."""
+        if self.largest == self.base or size != self.size or len(rewards) < 2:
+            return
+        self._seen = [*self._seen[-(self.window - 1):], len(set(rewards)) == 1]
+        if len(self._seen) < self.window:
+            return
+        share = sum(self._seen) / len(self._seen)
+        if share >= self.grow_at and self.size * 2 <= self.largest:
+            self.size, self._seen = self.size * 2, []
+            log.info("%.0f%% of the last %d groups were uniform: groups of %d episodes from now on "
+                     "(staleness.grow_groups_to=%d)", 100 * share, self.window, self.size, self.largest)
+        elif share <= self.shrink_at and self.size // 2 >= self.base:
+            self.size, self._seen = self.size // 2, []
+            log.info("%.0f%% of the last %d groups were uniform: groups of %d episodes from now on",
+                     100 * share, self.window, self.size)
+
+
 class EpisodeBook:
     """Every episode started ends in exactly one outcome (invariant 5): sent, rejected
     (the agent loop returned None), failed, or cancelled at stop. Groups are named
@@ -132,10 +169,10 @@ class EpisodeBook:
         self.group_seq = 0
         self.incarnation = 0
 
-    def new_group(self, epoch: int, loaded_version: int) -> str:
+    def new_group(self, epoch: int, loaded_version: int, size: int | None = None) -> str:
         gid = f"s{self.seed}-r{self.incarnation}{f'e{epoch}' if epoch else ''}-g{self.group_seq}"
         self.group_seq += 1
-        self.started += self.n
+        self.started += self.n if size is None else size
         self.running[gid] = loaded_version
         return gid
 

@@ -155,6 +155,7 @@ class RolloutSide:
                 seed=cfg.run.seed,
                 episode_timeout_s=cfg.agent.episode_timeout_s,
                 fail_fast=FailFast.from_config(cfg.agent),
+                grow_groups_to=cfg.staleness.grow_groups_to,
             )
             closing = asyncio.create_task(self._no_restarts_once(controller), name="no-restarts-at-stop")
             try:

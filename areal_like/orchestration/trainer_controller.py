@@ -148,7 +148,8 @@ class TrainerController:
         """Where the time between two step records goes (`budget_*_s` in each record)."""
         self.check_peers = check_peers
         """Raises if the rollout side (when this process knows it) has died."""
-        self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups)
+        self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups,
+                                       cfg.rollout.group_size)
         self.rules = StopRules(cfg, reward_name or cfg.agent.reward)
         self.notes = ConsoleNotes(on_step, on_wait)
         self.vocab_size = vocab_size
@@ -260,7 +261,7 @@ class TrainerController:
                 if groups is None:
                     wait.name = self._wait_phase(stragglers)
                     self._while_waiting(v)
-                    if stragglers and self.buffer.num_groups >= cfg.train.batch_size:
+                    if stragglers and self.buffer.prompts >= cfg.train.batch_size:
                         self.stragglers.wait_s += time.time() - t_loop
             if groups is None:
                 look_s = 0.05
@@ -309,7 +310,7 @@ class TrainerController:
         """What a pass that formed no batch waited for, as a phase of the step's budget."""
         if self.peers.accepted is None or self.rollout is None:
             return "wait_rollout"
-        if stragglers and self.buffer.num_groups >= self.cfg.train.batch_size:
+        if stragglers and self.buffer.prompts >= self.cfg.train.batch_size:
             return "wait_straggler"
         return "wait_data"
 
@@ -409,12 +410,12 @@ class TrainerController:
         if r is None:
             return "the rollout side's first report"
         stragglers = self._stragglers(v)
-        if stragglers and self.buffer.num_groups >= b:
+        if stragglers and self.buffer.prompts >= b:
             return (f"{len(stragglers)} straggler group(s) that the step to v{v + 1} would push past "
                     f"η={self.cfg.staleness.max_staleness} (docs/design.md §10.4)")
         s = self.rules.signal
         uniform = f", {s.total_uniform} of {s.total_groups} groups so far filtered as uniform" if s.total_uniform else ""
-        return (f"data for step {v + 1}: {self.buffer.num_groups}/{b} groups buffered, {r.running} episodes running "
+        return (f"data for step {v + 1}: {self.buffer.prompts}/{b} groups buffered, {r.running} episodes running "
                 f"on the rollout side (serving v{r.loaded_version}){uniform}")
 
     # ---- channels ------------------------------------------------------------------------
