@@ -221,3 +221,63 @@ def test_killing_one_actor_never_disturbs_the_next(zygote) -> None:
             actors.get(a.fail.remote(), timeout=30)
         assert actors.get(a.hello.remote(i), timeout=30) == f"k:{i}:1"
         actors.kill(a)
+
+
+def test_the_cli_starts_its_zygote_before_its_own_heavy_imports(tmp_path) -> None:
+    """`areal-like run` starts the local launcher's zygote first thing (areal_like/launcher/
+    early.py): when the zygote's process starts, the CLI has imported neither typer nor
+    pydantic, numpy or torch (the zygote's imports are the first step's longest wait).
+    Checked by the modules loaded at the Popen, not by a clock."""
+    code = textwrap.dedent("""
+        import json, subprocess, sys
+        sys.argv = ["areal-like", "run", "no-such-config.yaml"]
+        seen = []
+        class Spy(subprocess.Popen):
+            def __init__(self, args, *a, **k):
+                heavy = ("typer", "pydantic", "numpy", "torch", "transformers", "zmq")
+                seen.append((list(args), sorted(m for m in heavy if m in sys.modules)))
+                super().__init__(args, *a, **k)
+        subprocess.Popen = Spy
+        import areal_like.orchestration.cli  # as the console script does, before main()
+        from areal_like.launcher import early
+        proc = early._early[2]
+        early.discard()  # what the exit of a command that never opened a launcher does
+        print(json.dumps({"seen": seen, "killed": proc.poll() is not None}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    (args, loaded), = got["seen"]
+    assert "areal_like.launcher.local_process" in args and loaded == []
+    assert got["killed"]
+
+
+def test_a_prestarted_zygote_is_adopted_once_or_discarded() -> None:
+    from areal_like.launcher import early
+
+    early.prestart(preload=("tests._actor_bodies",))
+    address = early._early[0]
+    z = Zygote.start(preload=("tests._actor_bodies",))
+    try:
+        assert z.address == address and early._early is None
+        a = z.spawn(Echo, ("e",), name="early")
+        assert actors.get(a.hello.remote(1)) == "e:1:1"
+        a.actor_kill()
+    finally:
+        z.close()
+    early.prestart(preload=("tests._actor_bodies",))
+    proc = early._early[2]
+    other = Zygote.start(preload=())  # another preload: not that one, which goes
+    try:
+        assert other.proc is not proc and proc.poll() is not None and early._early is None
+    finally:
+        other.close()
+    early.prestart(preload=())
+    proc = early._early[2]
+    from areal_like.core.config import ExperimentConfig
+    from areal_like.launcher import open_launcher
+
+    open_launcher(ExperimentConfig(), kind="ray")  # the config picked Ray: the zygote goes
+    assert proc.poll() is not None and early._early is None

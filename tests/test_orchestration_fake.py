@@ -310,3 +310,39 @@ def test_skipped_steps_free_gate_capacity_even_at_eta_0(tmp_path) -> None:
 def test_too_many_skipped_steps_in_a_row_stop_the_run(tmp_path) -> None:
     with pytest.raises(RunAborted, match=r"3 train steps in a row .*train.max_consecutive_skips=3"):
         _run(tmp_path, steps=4, trainer=FakeTrainer(nan_at=1, nan_times=99), eta=0)
+
+
+def test_a_waiting_trainer_announces_often_until_a_rollout_controller_is_accepted(tmp_path) -> None:
+    """A starting rollout controller waits for an announcement before its hello (its
+    subscriber connects once its servers are up): the waiting trainer announces every 0.1 s
+    until one is accepted, then every 0.5 s again (the start-up's wait, docs/benchmarks.md)."""
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "train.total_steps=2"])
+    rd = RunDir(cfg.run.dir)
+    rd.prepare(cfg, resume=False)
+
+    class _Pub:
+        addr = "tcp://127.0.0.1:1"
+
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def publish(self, ann) -> None:
+            self.sent.append(ann)
+
+        def close(self) -> None:
+            pass
+
+    puller, pub = DataPuller("tcp://127.0.0.1:0"), _Pub()
+    tc = TrainerController(cfg, trainer=FakeTrainer(), weights=FakeWeights(), puller=puller, publisher=pub,
+                           run_dir=rd, mlog=MetricsLog(rd.metrics), model_path=tmp_path)
+    try:
+        tc.announcer.at = time.time() - 0.2  # the last announcement, 0.2 s ago
+        tc._while_waiting(0)
+        assert len(pub.sent) == 1  # none accepted yet: 0.2 s is long enough
+        tc.peers.accepted = "rollout-a"
+        tc.announcer.at = time.time() - 0.2
+        tc._while_waiting(0)
+        assert len(pub.sent) == 1  # one accepted: every 0.5 s, as before
+    finally:
+        puller.close()
+        tc.mlog.close()

@@ -72,8 +72,10 @@ def open_launcher(cfg: Any, user: dict[str, Any] | None = None, *, kind: str | N
 
         return LocalLauncher.start()
     if kind == "ray":
+        from areal_like.launcher.early import discard
         from areal_like.launcher.ray_launcher import RayLauncher
 
+        discard()  # the CLI's zygote, started before it knew (`early.prestart`)
         return RayLauncher(address=cfg.cluster.ray_address, num_cpus=num_cpus, verbose=cfg.run.verbose)
     raise ValueError(f"unknown launcher {kind!r} (local or ray)")
 

@@ -44,7 +44,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -60,22 +59,13 @@ from areal_like.launcher.base import (
     kill,
     wait,
 )
+from areal_like.launcher.early import PRELOAD, adopt, popen
 from areal_like.launcher.local_process import peer_uid, recv_exact
 
 __all__ = ["ActorDied", "ActorDiedError", "LocalActor", "LocalLauncher", "LocalRef", "Zygote", "get", "wait", "kill",
            "is_actor_death"]
 
 log = logging.getLogger(__name__)
-
-PRELOAD = (
-    "torch", "transformers", "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
-    "torch.optim", "safetensors.torch", "zmq", "msgpack", "pydantic", "tokenizers",
-    "areal_like.core.config", "areal_like.core.types", "areal_like.orchestration.rollout_side",
-    "rollout_cluster.server_actor", "rollout_cluster.server", "rollout_cluster.engine.embedded",
-    "rollout_cluster.agent_loop.runner", "train_cluster.worker_group", "train_cluster.torch_engine",
-    "weight_sync",
-)
-"""Imported by the zygote before it forks anything: what every actor would import."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -242,11 +232,9 @@ class Zygote:
 
     @classmethod
     def start(cls, preload: tuple[str, ...] = PRELOAD) -> Zygote:
-        """Start a zygote; it imports `preload` in the background while the caller goes on."""
-        address = f"areal-like-zygote-{os.getpid()}-{os.urandom(4).hex()}"
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.Popen([sys.executable, "-m", "areal_like.launcher.local_process", address,
-                                 ",".join(preload)], stdin=subprocess.PIPE, env=env)
+        """Start a zygote; it imports `preload` in the background while the caller goes on.
+        The CLI's, started before it read its config (`early.prestart`), when there is one."""
+        address, proc = adopt(preload) or popen(preload)
         return cls(address, proc)
 
     def _connect(self, timeout_s: float = 120.0) -> socket.socket:

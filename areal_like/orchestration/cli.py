@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-import typer
+from areal_like.launcher import early
 
-from areal_like.core.config import ConfigError, ExperimentConfig
+if (__name__ == "__main__" or sys.argv[0].endswith("areal-like")) and early.wants_zygote(sys.argv[1:]):
+    # The command itself, not an import: the local launcher's zygote starts its imports of
+    # torch & co. now, before this process imports typer and pydantic (`early`).
+    early.prestart()
+
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+import typer  # noqa: E402
+
+from areal_like.core.config import ConfigError, ExperimentConfig  # noqa: E402
 
 if TYPE_CHECKING:
     from areal_like.orchestration.console import Progress

@@ -90,6 +90,7 @@ class RolloutSide:
         self.runner: Any = None  # the `AgentRunner` over them
         self.weights: Any = None  # a `ServerWeights` once the servers are built
         self.sizer: Any = None  # a `PoolSizer` (the elastic pool, docs/design.md §10.24) over them
+        self._rows: dict[str, list[dict[str, Any]]] = {}  # "train", "eval": read while the servers start
         self._rates = _Rates()
 
     def run(self) -> dict[str, Any]:
@@ -190,7 +191,6 @@ class RolloutSide:
 
     # ---- building ------------------------------------------------------------------------
     async def _build_servers_and_runner(self) -> Any:
-        from areal_like.models.tiny_model import load_tokenizer
         from areal_like.orchestration.preflight import resolve_model_path
         from areal_like.orchestration.server_pool import ServerPool, ServerWeights
         from rollout_cluster.agent_loop.runner import AgentRunner
@@ -198,9 +198,16 @@ class RolloutSide:
 
         cfg = self.cfg
         model_path = resolve_model_path(cfg)
-        self.tokenizer = load_tokenizer(model_path)
         self.pool = ServerPool(cfg, model_path, self.placement_group, launcher=self.launcher)
-        servers = await self.pool.start()
+        # The servers build their engines in processes of their own: the tokenizer and the
+        # rows load here meanwhile (a third of a second of the quickstart's start-up).
+        data = asyncio.ensure_future(asyncio.to_thread(self._load_data, model_path))
+        try:
+            servers = await self.pool.start()
+        except BaseException:
+            await asyncio.gather(data, return_exceptions=True)  # no thread of ours outlives the failed start
+            raise
+        self.tokenizer, self._rows = await data
         self.weights = ServerWeights(self.pool)
         self.manager = self.weights.manager = ServerManager(
             servers,
@@ -214,7 +221,7 @@ class RolloutSide:
         return AgentRunner.from_config(cfg, server_manager=self.manager, tokenizer=self.tokenizer, **overrides)
 
     def _build_source(self, runner: Any) -> Any:
-        from areal_like.orchestration.dataset import PromptSource, load_rows
+        from areal_like.orchestration.dataset import PromptSource
 
         cfg = self.cfg
         tools = [t.schema for t in runner.tools] if runner.tools else None
@@ -225,8 +232,7 @@ class RolloutSide:
                                                      tokenize=True)
             return len(out["input_ids"] if not isinstance(out, list) else out)
 
-        rows = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed,
-                                                  max_eval_rows=cfg.eval.num_samples)
+        rows = self._rows["train"]
         source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len,
                               skip_solved_after=cfg.dataset.skip_solved_after, solved_reward=cfg.dataset.solved_reward)
         if source.filtered_too_long:
@@ -234,14 +240,22 @@ class RolloutSide:
                         source.filtered_too_long, cfg.rollout.max_prompt_len)
         return source
 
-    def _eval_rows(self) -> list[dict[str, Any]]:
+    def _load_data(self, model_path: Any) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
+        """The tokenizer and the train and eval rows (the API's, else the config's dataset)."""
+        from areal_like.models.tiny_model import load_tokenizer
         from areal_like.orchestration.dataset import load_rows
 
         cfg = self.cfg
+        tokenizer = load_tokenizer(model_path)
+        train = self.user.get("rows") or load_rows(cfg.dataset, "train", cfg.run.seed,
+                                                   max_eval_rows=cfg.eval.num_samples)
         rows = self.user.get("eval_rows")
         if rows is None:  # [] from the API means "no evaluation", never the config's dataset
             rows = load_rows(cfg.dataset, "eval", cfg.run.seed, max_eval_rows=cfg.eval.num_samples)
-        return rows[: cfg.eval.num_samples]
+        return tokenizer, {"train": train, "eval": rows[: cfg.eval.num_samples]}
+
+    def _eval_rows(self) -> list[dict[str, Any]]:
+        return self._rows["eval"]
 
     def _build_gate(self) -> Any:
         from areal_like.core.staleness import StalenessGate

@@ -377,7 +377,9 @@ class TrainerController:
         self.feed.feed_joining_rollout(self.end.stopping)
         self.feed.feed_restarted_servers(self.end.stopping)
         self.feed.resend_if_rollout_stuck()
-        self._announce()
+        # A rollout controller that is starting waits for an announcement before its hello (its
+        # subscriber connects late, once its servers are up): every 0.1 s until one is accepted.
+        self._announce(every_s=0.1 if self.peers.accepted is None else 0.5)
         self._check_peers(v)
         line = self.rules.check_signal(v)
         if line is not None:
@@ -420,8 +422,8 @@ class TrainerController:
 
     # ---- channels ------------------------------------------------------------------------
     def _announce(self, *, weights: WeightUpdateMeta | None = None, data_position: dict[str, int] | None = None,
-                  force: bool = False) -> None:
-        if not self.announcer.due(time.time(), force):
+                  force: bool = False, every_s: float = 0.5) -> None:
+        if not self.announcer.due(time.time(), force, every_s):
             return
         stopping = self.end.stopping
         ann = VersionAnnouncement(

@@ -413,9 +413,9 @@ class Announcer:
             return True
         return False
 
-    def due(self, now: float, force: bool) -> bool:
-        """Whether to announce now (at most every 0.5 s unless forced); if so, it counts as made."""
-        if not force and now - self.at < 0.5:
+    def due(self, now: float, force: bool, every_s: float = 0.5) -> bool:
+        """Whether to announce now (at most every `every_s` unless forced); if so, it counts as made."""
+        if not force and now - self.at < every_s:
             return False
         self.at = now
         return True
