@@ -191,7 +191,8 @@ def _servers(cfg: Any, model: Path, tag: str) -> tuple[Any, Any]:
     launcher = connect("ray")
     pg = launcher.place("rollout_pool", rollout_bundles(cfg))
     pool = ServerPool(cfg, model, pg, launcher=launcher)
-    pool.names = [f"{tag}-{n}" for n in pool.names]
+    pool.names = [f"{tag}-{n}" for n in pool.names]  # two pools side by side: names of their own
+    pool.seats = {f"{tag}-{n}": seat for n, seat in pool.seats.items()}
     return pool, pg
 
 

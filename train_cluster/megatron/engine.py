@@ -426,7 +426,7 @@ def _adam_steps_aside(optimizer: Any) -> Iterator[None]:
     while the moments load and put back after; they came from `load_state_dict`."""
     kept: list[tuple[dict[str, Any], Any]] = []
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in getattr(chained.optimizer, "state", {}).values():
+        for state in chained.optimizer.state.values():  # torch's Adam under Megatron's wrapper
             if "step" in state:
                 kept.append((state, state.pop("step")))
     try:
