@@ -3,7 +3,8 @@
 Every benchmark in `bench/` run without `--smoke` or `--no-record` appends its final JSON
 line to `bench/results/<name>.jsonl` (bench/_record.py). This script rewrites the part of
 docs/benchmarks.md between the two `bench-table` HTML comments: one row per script in
-`bench/` (not the `_` helpers), from the last real record of that benchmark: its headline
+`bench/` (not the `_` helpers), from the last real record of that benchmark (not a smoke run,
+not one under a load it made itself): its headline
 numbers (the keys in `HEADLINES`), the command, the commit, the date and the CPU other
 processes used meanwhile. A benchmark with no record yet gets a row saying so, with a link
 to its prose section below the table; no number is ever typed into the table by hand.
@@ -72,7 +73,9 @@ def benchmarks(root: Path = ROOT) -> list[str]:
 
 
 def last_record(results: Path, name: str) -> dict[str, Any] | None:
-    """The last real (not smoke) record of `name`, or None."""
+    """The last real record of `name`, or None: not a smoke run, and not one run beside a
+    load it made itself (`background_cores`: the bench's own CPU monitor counts that load
+    as its own, so the row would call a loaded machine quiet; its prose section has it)."""
     path = results / f"{name}.jsonl"
     if not path.is_file():
         return None
@@ -84,7 +87,7 @@ def last_record(results: Path, name: str) -> dict[str, Any] | None:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}:{n}: not JSON: {e}") from None
-        if not rec.get("smoke"):
+        if not rec.get("smoke") and not rec.get("background_cores"):
             found = rec
     return found
 

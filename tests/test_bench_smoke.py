@@ -108,7 +108,9 @@ def test_bench_table_shows_the_last_real_record(tmp_path: Path) -> None:
             "other_cores": 0.02, "cpu_count": 2, "qwen2_100m": {"gb_per_s": 2.5}, "quickstart": {"transfer_s": 0.005}}
     lines = [{**base, "smoke": False, "ratio_to_raw_broadcast": 0.5},
              {**base, "smoke": False, "ratio_to_raw_broadcast": 0.913},
-             {**base, "smoke": True, "ratio_to_raw_broadcast": 0.1}]  # smoke lines are never shown
+             {**base, "smoke": True, "ratio_to_raw_broadcast": 0.1},  # smoke lines are never shown
+             {**base, "smoke": False, "background_cores": 0.5,  # nor a run beside a load it made itself
+              "ratio_to_raw_broadcast": 0.2}]
     (results / "weight_sync.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     doc = tmp_path / "benchmarks.md"
     shutil.copy(ROOT / "docs" / "benchmarks.md", doc)
