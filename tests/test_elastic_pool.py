@@ -309,6 +309,7 @@ def test_the_request_refuses_bad_counts_and_a_run_that_ends(tmp_path) -> None:
 
 def test_the_announcer_carries_the_count_in_announcements_and_heartbeats() -> None:
     import threading
+    import time
 
     from areal_like.core.types import VersionAnnouncement
     from areal_like.orchestration.trainer_policies import Announcer
@@ -325,8 +326,9 @@ def test_the_announcer_carries_the_count_in_announcements_and_heartbeats() -> No
     target["n"] = 3
     beat = threading.Thread(target=a.heartbeat)
     beat.start()
-    while len(sent) < 2:
-        pass
+    deadline = time.monotonic() + 10
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
     a.stop()
     beat.join()
     assert sent[0].servers == 0 and sent[-1].servers == 3 and sent[-1].version == 1
