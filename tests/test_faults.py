@@ -75,12 +75,20 @@ class Launch:
         self.p = subprocess.Popen([*CLI, *args], cwd=ROOT, env=env, start_new_session=True,
                                   stdout=self._out, stderr=subprocess.STDOUT, text=True)
 
-    def wait(self, timeout: float = 400) -> tuple[int, str]:
+    def wait(self, timeout: float = 400, also: tuple["Launch", ...] = ()) -> tuple[int, str]:
+        """The exit code and output; past `timeout` the test fails with this launch's thread
+        stacks and the output of the launches in `also` (the peers it may wait on)."""
         try:
             rc = self.p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            try:  # every thread's stack into the log first (cli.py registers faulthandler on SIGUSR1)
+                os.kill(self.p.pid, signal.SIGUSR1)
+                time.sleep(2)
+            except ProcessLookupError:
+                pass
             self.kill()
-            pytest.fail(f"{self.log.name} did not end within {timeout}s:\n{self.output()[-3000:]}")
+            others = "".join(f"\n--- {o.log.name} (rc {o.p.poll()}):\n{o.output()[-2500:]}" for o in also)
+            pytest.fail(f"{self.log.name} did not end within {timeout}s:\n{self.output()[-6000:]}{others}")
         self._out.close()
         return rc, self.output()
 

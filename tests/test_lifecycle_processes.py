@@ -146,8 +146,8 @@ def test_a_trainer_killed_between_checkpoints_resumes_with_every_token_true(tiny
         trainer.wait(timeout=60)
         trainer2 = Launch([*train_args, "--resume"], tmp_path / "train2.log", _env())
         launches.append(trainer2)
-        rc_t, out_t = trainer2.wait(timeout=400)
-        rc_r, out_r = rollout.wait(timeout=120)
+        rc_t, out_t = trainer2.wait(timeout=400, also=(rollout,))
+        rc_r, out_r = rollout.wait(timeout=120, also=(trainer2,))
     finally:
         for launch in launches:
             launch.kill()

@@ -257,8 +257,12 @@ class RolloutController:
     async def _rebase(self, ann: VersionAnnouncement) -> None:
         """The trainer restarted (a newer epoch, after `--resume`): what runs belongs to
         the old epoch's accounting, which the new trainer restarted from its checkpoint.
-        Cancel it, start counting afresh, re-base the gate on the announcement and admit
-        nothing until the new trainer's weights are loaded (docs/design.md §10.3)."""
+        Admit nothing until the new trainer's weights are loaded, register every server in
+        its weight group, cancel what runs, start counting afresh, re-base the gate on the
+        announcement, and only then speak as the new epoch: its trainer sends its weights
+        when it hears this side, and every server is in the group by then (docs/design.md §10.3)."""
+        self.weights.forget()
+        await self.weights.join(ann)
         running = [t for t in self._groups if t.get_name() not in self.book.delivering]
         log.warning("the trainer restarted (epoch %d -> %d, at v%d): cancelling %d running groups of the old epoch "
                     "and re-basing on its announcement", self.follow.epoch, ann.trainer.epoch, ann.version, len(running))
@@ -270,9 +274,8 @@ class RolloutController:
         self.gate.rebase()
         if self.hold.number:  # the old trainer's step is over
             await self.hold.set(0)
-        self.weights.forget()
-        await self.weights.join(ann)
         self._seek(ann)
+        await self._report()  # hello to the new trainer
 
     def _seek(self, ann: VersionAnnouncement) -> None:
         if ann.data_position is not None:

@@ -196,8 +196,10 @@ class TrainerController:
     def resume(self) -> None:
         ckpt = self.checkpoints.load()
         self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
-        # The engines start from the base model: hand them the resumed weights first.
-        self.feed.resumed_meta = self.feed.send(self.trainer.version)
+        # The engines start from the base model. The resumed weights go to a rollout side once
+        # it has joined this epoch's weight group and said hello (`_handle`, then
+        # `feed_joining_rollout`): sent now, before anyone could join, the first transfer's
+        # grace ran out under load and a server missed it.
         log.info("resumed from %s at version %d (%d samples buffered)", ckpt, self.trainer.version, self.buffer.depth)
 
     # ---- the schedule ------------------------------------------------------------------
@@ -247,7 +249,7 @@ class TrainerController:
         cfg = self.cfg
         if self.trainer.version == 0 and cfg.run.record_weights:
             self.feed.record(0)
-        self._announce(weights=self.feed.resumed_meta, data_position=self.checkpoints.data_position, force=True)
+        self._announce(data_position=self.checkpoints.data_position, force=True)
         self.budget = StepBudget()  # the first step's interval starts here
         t_wait = time.time()
         look_s = 0.05

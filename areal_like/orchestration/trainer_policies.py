@@ -183,8 +183,6 @@ class WeightFeed:
         self._drain = drain
         self._check_peers = check_peers
         self.last_meta: WeightUpdateMeta | None = None
-        self.resumed_meta: WeightUpdateMeta | None = None
-        """The resumed weights, announced first (the engines start from the base model)."""
         self.in_flight: int | None = None
         """The published version whose broadcast may still run (see `end_transfer`)."""
         self.sent_at = time.time()
