@@ -38,6 +38,7 @@ MB, and ms per generated token per 100M for the engines), with its intercept.
 
     python bench/cost_curves.py [--sizes 25,100,500] [--steps 3] [--set KEY=VALUE ...]
     python bench/cost_curves.py --smoke   # the quickstart-sized model, 2 steps, no vLLM
+    python bench/cost_curves.py --markdown   # docs/benchmarks.md's tables from the last record
 
 Progress on stderr; the last stdout line is one JSON object (bench/_record.py) with one
 entry per size under `sizes`; `--plot` (default docs/img/cost_curves.png for a real run)
