@@ -21,8 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +149,11 @@ def cores_between(series: list[tuple[float, float, float]], t0: float, t1: float
 
 def run_cli(config: str, sets: list[str], run_dir: Path, *, env: dict[str, str] | None = None,
             timeout_s: float = 1800, log: Any = None,
-            series_out: list[tuple[float, float, float]] | None = None) -> dict[str, float]:
+            series_out: list[tuple[float, float, float]] | None = None,
+            watch: Callable[[int], AbstractContextManager[Any]] | None = None) -> dict[str, float]:
     """`areal-like run CONFIG --set ...` in a new session; returns the CPU monitor's result
-    (and extends `series_out` with its samples, `CpuMonitor.series`, when given).
+    (and extends `series_out` with its samples, `CpuMonitor.series`, when given). `watch`,
+    given the CLI's pid, makes a context held while the run runs (a sampler of its processes).
 
     Raises RuntimeError with the tail of the output when the run fails.
     """
@@ -164,7 +166,7 @@ def run_cli(config: str, sets: list[str], run_dir: Path, *, env: dict[str, str] 
     with open(out_path, "w") as out:
         p = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
-        with CpuMonitor(p.pid) as mon:
+        with CpuMonitor(p.pid) as mon, (watch(p.pid) if watch is not None else nullcontext()):
             try:
                 rc = p.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -91,18 +91,28 @@ class VLLMRunner:
     all concurrency levels (it takes ~30-90 s to start on 2 cores), on its own event
     loop, warmed up before timing. Lengths are forced like the others (eos ignored)."""
 
+    KV_CACHE_GB = 1.0
+
     def __init__(self, model_dir: str, seed: int) -> None:
         from areal_like.core.config import VLLMEngineConfig
         from rollout_cluster.engine.vllm_engine import VLLMEngine
 
         async def make() -> VLLMEngine:
-            return VLLMEngine(model_dir, VLLMEngineConfig(kv_cache_gb=1.0, max_model_len=512), seed=seed)
+            return VLLMEngine(model_dir, VLLMEngineConfig(kv_cache_gb=self.KV_CACHE_GB, max_model_len=512), seed=seed)
 
         self.loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
         self.engine = self.loop.run_until_complete(make())
         logger.info("vLLM engine up in %.1f s", time.perf_counter() - t0)
         self.run([[5, 6, 7]] * 4, [16] * 4, "warmup")
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens vLLM's KV cache holds (its blocks × block size, as its engine core
+        reported them at start), in `KV_CACHE_GB` GiB."""
+        cache = self.engine._llm.vllm_config.cache_config
+        if not cache.num_gpu_blocks:
+            return None
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
 
     def run(self, prompts: list[list[int]], lengths: list[int], tag: str) -> float:
         async def main() -> float:
@@ -187,6 +197,10 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=400, help="longest response (the tail)")
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings per point")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-hf", action="store_true", help="do not time HF generate (it dominates at large sizes)")
+    ap.add_argument("--skip-pause-resume", action="store_true", help="do not measure pause→resume latency")
+    ap.add_argument("--max-seq-len", type=int, default=512,
+                    help="the embedded engine's prompt + response limit (its KV slots' length)")
     ap.add_argument("--seed", type=int, default=0)
     args, rec = _record.parse(ap, __file__, smoke={"concurrency": "1,4", "max_len": 16, "repeats": 1})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -200,7 +214,7 @@ def main() -> None:
         args.model = str(init_model(Path(tmp.name) / "model", seed=args.seed))
     from transformers import AutoModelForCausalLM
 
-    config = EmbeddedEngineConfig(max_seq_len=512)
+    config = EmbeddedEngineConfig(max_seq_len=args.max_seq_len)
     engine = EmbeddedEngine(args.model, config, eos_token_ids=[], seed=args.seed)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     pad = hf.config.pad_token_id or 0
@@ -212,14 +226,14 @@ def main() -> None:
         prompts, lengths = workload(n, args.max_len, engine.vocab_size, args.seed + n)
         tokens = sum(lengths)
         t_emb = min(run_embedded(engine, prompts, lengths, f"c{n}r{r}") for r in range(args.repeats))
-        t_hf = min(run_hf(hf, prompts, lengths, pad) for _ in range(args.repeats))
+        t_hf = None if args.skip_hf else min(run_hf(hf, prompts, lengths, pad) for _ in range(args.repeats))
         point = {
             "concurrency": n,
             "tokens": tokens,
             "longest": max(lengths),
             "embedded_tok_s": round(tokens / t_emb, 1),
-            "hf_generate_tok_s": round(tokens / t_hf, 1),
-            "speedup_vs_hf": round(t_hf / t_emb, 2),
+            "hf_generate_tok_s": None if t_hf is None else round(tokens / t_hf, 1),
+            "speedup_vs_hf": None if t_hf is None else round(t_hf / t_emb, 2),
         }
         if vllm is not None:
             t_vllm = min(vllm.run(prompts, lengths, f"v{n}r{r}") for r in range(args.repeats))
@@ -227,11 +241,17 @@ def main() -> None:
         logger.info("%s", point)
         points.append(point)
     prompts, lengths = workload(32, args.max_len, engine.vocab_size, args.seed + 1000)
-    latency = pause_resume_latency(engine, prompts, lengths)
-    if vllm is not None:
+    latency = {} if args.skip_pause_resume else pause_resume_latency(engine, prompts, lengths)
+    if vllm is not None and not args.skip_pause_resume:
         weights = [(n, p.detach() + 0.01) for n, p in hf.named_parameters()]
         latency.update(vllm.pause_resume_latency(prompts, lengths, weights))
     logger.info("pause/resume at 32 concurrent: %s", latency)
+    kv = engine.metrics()
+    latency["embedded_kv_capacity_tokens"] = int(kv["kv_capacity_tokens"])
+    latency["embedded_kv_mb"] = round((engine.kv.k.nbytes + engine.kv.v.nbytes) / 2**20, 1)
+    if vllm is not None:
+        latency["vllm_kv_capacity_tokens"] = vllm.kv_capacity_tokens()
+        latency["vllm_kv_cache_gb"] = vllm.KV_CACHE_GB
     at32 = next((p["speedup_vs_hf"] for p in points if p["concurrency"] == 32), None)
     result = {
         "bench": "engine",

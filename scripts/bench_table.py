@@ -33,6 +33,9 @@ NOT_MEASURED = "not re-measured since the JSON record began"
 # numbers the prose reports, where the prose is (None: the first section of
 # docs/benchmarks.md whose heading names bench/<name>.py))
 HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
+    "cost_curves": ("cost curves", ["sizes.*.params_m", "fit.step_s.slope", "fit.publish_s.slope",
+                                    "fit.rss_mb_train-0.slope", "fit.rss_mb_driver.slope"],
+                    "python bench/cost_curves.py", None),
     "async_vs_sync": ("async vs sync", ["speedup_eta2_vs_eta0", "fraction_of_overlap_ideal"],
                       "python bench/async_vs_sync.py", None),
     "engine": ("engine vs HF `generate`", ["speedup_vs_hf_at_32", "pause_resume_latency_s"],
