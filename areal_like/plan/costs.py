@@ -79,9 +79,11 @@ class TrainCost(_Strict):
 
 
 class WeightSyncCost(_Strict):
-    """Broadcasting a version to every rollout server: `latency_s + model_bytes / bandwidth`;
-    the trainer waits for delivery (as `TrainerController` does), servers keep decoding
-    until they apply it."""
+    """Broadcasting a version to every rollout server: `latency_s + model_bytes / bandwidth`.
+    As `WeightFeed.publish` does it, the trainer is held only for the snapshot
+    (`model_bytes / snapshot_bytes_per_s`); the broadcast runs in the background of the next
+    train step, and the next publish waits for it to end. Servers keep decoding until they
+    apply the version."""
 
     model_bytes: int = Field(ge=0, le=10**14)
     """Bytes of one version (parameters × bytes per parameter in the serving dtype)."""
@@ -91,6 +93,9 @@ class WeightSyncCost(_Strict):
     """Achieved broadcast bandwidth when trainer and servers share a node (NVLink, shared memory)."""
     inter_node_bytes_per_s: float = Field(gt=0.0, le=1e13)
     """Achieved broadcast bandwidth across nodes (InfiniBand/Ethernet)."""
+    snapshot_bytes_per_s: float | None = Field(None, gt=0.0, le=1e13)
+    """Rate of the snapshot the trainer waits for before the broadcast goes to the background
+    (a copy into the sender's staging buffer and its digest); None: free."""
 
 
 class LengthDist(_Strict):
