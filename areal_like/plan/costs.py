@@ -27,6 +27,7 @@ __all__ = [
     "WeightSyncCost",
     "load_costs",
     "parse_lengths",
+    "scale_to_model",
 ]
 
 
@@ -220,3 +221,26 @@ def parse_lengths(spec: str) -> LengthDist:
     except ValidationError as e:
         bad = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or kind}: {err['msg']}" for err in e.errors())
         raise CostFileError(f"--lengths {spec!r}: {bad}") from None
+
+
+def scale_to_model(costs: CostModel, model_bytes: int) -> CostModel:
+    """The costs of another model of `model_bytes` bytes (same dtype) from those profiled,
+    under a plain ASSUMPTION, not a measurement: every compute cost grows in proportion to
+    the parameters — the decode iteration's three terms, the prefill time per token, the
+    train step's fixed and per-token seconds — and the snapshot and broadcast through
+    `model_bytes`; the server's slots and KV capacity in tokens, the episode and the
+    lengths stay. Where the profiled model is tiny (the CPU box) part of each cost is
+    Python and launch overhead that does not grow with the model, so this overestimates;
+    docs/planning.md ("Checked out of sample") says by how much for one model."""
+    ratio = model_bytes / max(1, costs.weight_sync.model_bytes)
+    d, t = costs.decode, costs.train
+    return costs.model_copy(update={
+        "decode": d.model_copy(update={
+            "base_s": d.base_s * ratio, "per_seq_s": d.per_seq_s * ratio,
+            "per_context_token_s": d.per_context_token_s * ratio,
+            "prefill_tokens_per_s": d.prefill_tokens_per_s / ratio}),
+        "train": t.model_copy(update={"fixed_s": t.fixed_s * ratio, "seconds_per_token": t.seconds_per_token * ratio}),
+        "weight_sync": costs.weight_sync.model_copy(update={"model_bytes": int(model_bytes)}),
+        "notes": (costs.notes + "; " if costs.notes else "") + f"scaled to a model of {model_bytes} bytes "
+                 f"(×{ratio:.2f}: compute assumed proportional to parameters)",
+    })

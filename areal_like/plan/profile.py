@@ -29,7 +29,7 @@ from areal_like.core.config import DiskWeightSyncConfig, ExperimentConfig, Train
 from areal_like.core.types import SamplingParams, Trajectory
 from areal_like.plan.costs import CostModel, DecodeCost, EpisodeCost, LengthDist, TrainCost, WeightSyncCost
 
-__all__ = ["profile", "fit_linear"]
+__all__ = ["profile", "fit_linear", "default_lengths", "default_episode"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,19 @@ def _snapshot_rate(model_path: str) -> float:
     return layout.total_bytes / max(min(times), 1e-9)
 
 
+def default_lengths(cfg: ExperimentConfig) -> LengthDist:
+    """What `profile` writes for the generated lengths: a guess from the config alone
+    (lognormal, median half of `rollout.response_length`), not a measurement."""
+    return LengthDist(kind="lognormal", median=cfg.rollout.response_length / 2, sigma=0.6)
+
+
+def default_episode(cfg: ExperimentConfig) -> EpisodeCost:
+    """What `profile` writes for the agent loop around the generate calls (the quickstart's
+    tool loop: up to two turns, a fast tool, a short tool answer): from the config alone."""
+    return EpisodeCost(prompt_tokens=24, turns=min(2, cfg.agent.max_assistant_turns), tool_latency_s=0.001,
+                       tool_response_tokens=4)
+
+
 def profile(cfg: ExperimentConfig, model_path: str, *, threads: int = 1, quick: bool = False) -> CostModel:
     """Measure decode, prefill, train and weight-sync costs here; returns a validated CostModel."""
     import torch
@@ -193,7 +206,6 @@ def profile(cfg: ExperimentConfig, model_path: str, *, threads: int = 1, quick: 
                         seconds_per_token=max(per_tok, 1e-9), scaling_exponent=0.9),
         weight_sync=WeightSyncCost(model_bytes=wbytes or nbytes, latency_s=lat, intra_node_bytes_per_s=bw,
                                    inter_node_bytes_per_s=bw, snapshot_bytes_per_s=snap_rate),
-        episode=EpisodeCost(prompt_tokens=24, turns=min(2, cfg.agent.max_assistant_turns), tool_latency_s=0.001,
-                            tool_response_tokens=4),
-        lengths=LengthDist(kind="lognormal", median=cfg.rollout.response_length / 2, sigma=0.6),
+        episode=default_episode(cfg),
+        lengths=default_lengths(cfg),
     )
