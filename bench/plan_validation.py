@@ -146,6 +146,7 @@ def measure(run_dir: Path, skip: int, series: list[tuple[float, float, float]]) 
     wall = sum(r["budget_wall_s"] for r in warm)
     phases = {p: sum(r.get(f"budget_{p}_s", 0.0) for r in warm) for p in WAITS}
     train = sum(sum(v for k, v in r.items() if k.startswith("budget_train_") and k.endswith("_s")) for r in warm)
+    tokens = sum(r.get("num_tokens", 0) for r in warm)
     s = summarise(run_dir, skip_steps=skip, series=series)
     return {
         "steps": len(steps), "window_steps": len(warm),
@@ -153,6 +154,8 @@ def measure(run_dir: Path, skip: int, series: list[tuple[float, float, float]]) 
         "trainer_idle": round(sum(phases.values()) / max(wall, 1e-9), 3),
         "wait_s_per_step": {p: round(v / len(warm), 3) for p, v in phases.items() if v > 0},
         "train_s_per_step": round(train / len(warm), 3),
+        "train_tokens_per_step": round(tokens / len(warm), 1),
+        "train_s_per_token": round(train / max(tokens, 1), 7),
         "publish_s_per_step": round(sum(r.get("budget_publish_s", 0.0) for r in warm) / len(warm), 3),
         "budget_covers_window": round(wall / max(span, 1e-9), 3),
         "mean_lag": s["mean_version_lag"], "response_len_mean": s["response_len_mean"],
@@ -189,6 +192,8 @@ def predict(run: dict[str, Any], costs_path: Path, skip: int) -> dict[str, Any]:
     return {
         "step_s": round(r.step_s, 3), "samples_per_s": round(r.samples_per_s, 3),
         "trainer_idle": round(r.trainer_idle_ratio, 3), "train_phase_s": round(r.train_phase_s, 3),
+        "rollout_phase_s": round(r.rollout_phase_s, 3), "train_tokens_per_step": round(r.train_tokens_per_step, 1),
+        "train_s_per_token": round((r.train_phase_s - r.snapshot_s) / max(r.train_tokens_per_step, 1), 7),
         "mean_lag": round(r.lag.mean, 2), "generated_len_mean": round(mean_len, 1),
         "weight_sync_s": round(r.weight_sync_s, 4), "snapshot_s": round(r.snapshot_s, 4),
         "compute_scale": round(costs.weight_sync.model_bytes / load_costs(costs_path).weight_sync.model_bytes, 2),

@@ -230,8 +230,9 @@ def scale_to_model(costs: CostModel, model_bytes: int) -> CostModel:
     train step's fixed and per-token seconds — and the snapshot and broadcast through
     `model_bytes`; the server's slots and KV capacity in tokens, the episode and the
     lengths stay. Where the profiled model is tiny (the CPU box) part of each cost is
-    Python and launch overhead that does not grow with the model, so this overestimates;
-    docs/planning.md ("Checked out of sample") says by how much for one model."""
+    Python and launch overhead that need not grow with the model, and a bigger model may
+    use the core better or worse; docs/planning.md ("Checked out of sample") compares
+    the scaled train cost per token with a measured run of one bigger model."""
     ratio = model_bytes / max(1, costs.weight_sync.model_bytes)
     d, t = costs.decode, costs.train
     return costs.model_copy(update={

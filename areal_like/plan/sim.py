@@ -190,6 +190,8 @@ class SimResult:
     gate_refusals: int
     snapshot_s: float = 0.0
     """Seconds the trainer is held per publish for the snapshot."""
+    train_tokens_per_step: float = 0.0
+    """Mean tokens a train step trained on, after warm-up."""
 
     def as_row(self) -> dict[str, Any]:
         return {
@@ -281,6 +283,8 @@ class _Sim:
         self.counts = _RunCounters()
         self.started = 0
         self.groups = 0
+        self.step_tokens: list[int] = []
+        """Tokens each train step trained on (prompts, tool answers, generated)."""
 
     def contention(self) -> float:
         """How much slower compute runs now because busy threads outnumber the shared
@@ -443,6 +447,7 @@ class _Sim:
         if groups is None:
             return
         tokens = int(sum(t.metrics["tokens"] for g in groups for t in g.trajectories))
+        self.step_tokens.append(tokens)
         self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now)
         self.retime_train()
 
@@ -521,6 +526,7 @@ class _Sim:
             overlap_s=c.overlap_s, train_phase_s=_median(phases), rollout_phase_s=_median(rollouts),
             weight_sync_s=self.sync_s, outcomes=summary, counts_add_up=TrajectoryBuffer.counts_add_up(summary),
             wall_s=wall, gate_refusals=self.gate.s.rejected_at_gate, snapshot_s=self.snap_s,
+            train_tokens_per_step=sum(self.step_tokens[w:len(st)]) / max(1, len(st) - w),
         )
 
 
