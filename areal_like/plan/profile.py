@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_like.core.config import DiskWeightSyncConfig, ExperimentConfig, TrainConfig
+from areal_like.core.config import DiskWeightSyncConfig, ExperimentConfig
 from areal_like.core.types import SamplingParams, Trajectory
 from areal_like.plan.costs import CostModel, DecodeCost, EpisodeCost, LengthDist, TrainCost, WeightSyncCost
 
@@ -86,7 +86,10 @@ def _train_points(model: str, cfg: ExperimentConfig) -> tuple[list[list[float]],
     from train_cluster.batch import build_batch
     from train_cluster.torch_engine import TorchTrainEngine
 
-    tcfg = TrainConfig(token_budget=cfg.train.token_budget, backend=cfg.train.backend)
+    # The config's own train section (mini-batches, loss, token budget): a step of the
+    # quickstart applies `train.mini_batches` = 4 optimizer steps, and profiling a 1-mini-batch
+    # step instead measured ~0.6 of its cost per token (docs/planning.md, out of sample).
+    tcfg = cfg.train.model_copy(deep=True)
     eng = TorchTrainEngine(model, tcfg)
     vocab = eng._module.config.vocab_size
     eng.train_step(build_batch(_trajectories(16, vocab, 99), tcfg.loss))  # warm-up
