@@ -178,7 +178,7 @@ def predict(run: dict[str, Any], costs_path: Path, skip: int) -> dict[str, Any]:
     from areal_like.plan import Split, load_costs, simulate
     from areal_like.plan.costs import scale_to_model
     from areal_like.plan.profile import default_episode, default_lengths
-    from areal_like.plan.sim import sample_length
+    from areal_like.plan.sim import sample_length, snapshot_s
 
     cfg = run_cfg(run)
     costs = load_costs(costs_path)
@@ -193,9 +193,9 @@ def predict(run: dict[str, Any], costs_path: Path, skip: int) -> dict[str, Any]:
         "step_s": round(r.step_s, 3), "samples_per_s": round(r.samples_per_s, 3),
         "trainer_idle": round(r.trainer_idle_ratio, 3), "train_phase_s": round(r.train_phase_s, 3),
         "rollout_phase_s": round(r.rollout_phase_s, 3), "train_tokens_per_step": round(r.train_tokens_per_step, 1),
-        "train_s_per_token": round((r.train_phase_s - r.snapshot_s) / max(r.train_tokens_per_step, 1), 7),
+        "train_s_per_token": round((r.train_phase_s - snapshot_s(costs)) / max(r.train_tokens_per_step, 1), 7),
         "mean_lag": round(r.lag.mean, 2), "generated_len_mean": round(mean_len, 1),
-        "weight_sync_s": round(r.weight_sync_s, 4), "snapshot_s": round(r.snapshot_s, 4),
+        "weight_sync_s": round(r.weight_sync_s, 4), "snapshot_s": round(snapshot_s(costs), 4),
         "compute_scale": round(costs.weight_sync.model_bytes / load_costs(costs_path).weight_sync.model_bytes, 2),
     }
 

@@ -1,5 +1,7 @@
-"""The cluster planner (areal_like.plan): validated against a recorded benchmark, the real
-gate's staleness bound, conservation of samples, monotonic sanity, the CLI, cost-file errors."""
+"""The cluster planner (areal_like.plan): its fit to a recorded benchmark (in sample: the
+out-of-sample check is bench/plan_validation.py, docs/planning.md), the overlapped weight
+broadcast, the real gate's staleness bound, conservation of samples, monotonic sanity, the
+CLI, cost-file errors."""
 
 from __future__ import annotations
 
@@ -35,13 +37,15 @@ def bench_setup():
     return cfg, costs
 
 
-def test_predicts_recorded_async_vs_sync_within_15_percent(bench_setup):
+def test_calibrated_fit_to_recorded_async_vs_sync(bench_setup):
+    """In sample, not a validation: the costs are calibrated to this recording's synchronous
+    phases. What it checks is that `calibrate` and the simulator's shape hold together
+    (within 15 % at every η). The recording's idle ratios are derived from samples/s, not
+    measured, so they are not compared."""
     cfg, costs = bench_setup
     for eta, measured in RECORDED["samples_per_s"].items():
         r = simulate(cfg, costs, Split(1, 1), int(eta), steps=16)
         assert abs(r.samples_per_s / measured - 1) <= 0.15, (eta, r.samples_per_s, measured)
-        idle = RECORDED["trainer_idle_ratio"][eta]
-        assert abs(r.trainer_idle_ratio - idle) <= 0.15, (eta, r.trainer_idle_ratio, idle)
     # the shape, not just the level: asynchrony pays, and η=0 runs the phases back to back
     r0 = simulate(cfg, costs, Split(1, 1), 0, steps=16)
     r2 = simulate(cfg, costs, Split(1, 1), 2, steps=16)
@@ -188,4 +192,4 @@ def test_the_broadcast_overlaps_the_next_step(bench_setup):
     assert longer.trainer_idle_ratio == pytest.approx(1 - compute / 3.0, abs=0.03)  # that wait is idle
     # the snapshot holds the trainer: it adds to every step, η = 2 included
     snap = simulate(cfg, _broadcast_takes(costs, 1.0, snapshot_s=0.25), Split(1, 1), 2, steps=16)
-    assert snap.step_s == pytest.approx(base[2].step_s + 0.25, rel=0.02) and snap.snapshot_s == pytest.approx(0.25)
+    assert snap.step_s == pytest.approx(base[2].step_s + 0.25, rel=0.02)

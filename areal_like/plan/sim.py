@@ -12,7 +12,7 @@ What is simulated, on one clock (a heap of timed events):
   staleness the plan reports is what the real rules would give;
 - **the trainer**: pops a batch (η re-checked by the buffer), trains for `TrainCost`, then
   publishes the version as `WeightFeed.publish` does: it first waits for the previous
-  version's broadcast to end, is held for the snapshot (`WeightSyncCost.snapshot_s`), and
+  version's broadcast to end, is held for the snapshot (`sim.snapshot_s`), and
   goes on to the next step while the broadcast (`WeightSyncCost`) runs in the background;
   when the broadcast ends, servers apply the version (pause, and under
   `interrupt_mode=recompute` re-prefill every in-flight context: the interrupt cost), then
@@ -188,8 +188,6 @@ class SimResult:
     counts_add_up: bool
     wall_s: float
     gate_refusals: int
-    snapshot_s: float = 0.0
-    """Seconds the trainer is held per publish for the snapshot."""
     train_tokens_per_step: float = 0.0
     """Mean tokens a train step trained on, after warm-up."""
 
@@ -277,14 +275,11 @@ class _Sim:
         self.turns = max(1, min(costs.episode.turns, cfg.agent.max_assistant_turns))
         cross = nodes > 1 or split.rollout_devices + split.train_devices > costs.devices_per_node
         self.sync_s = broadcast_s(costs, cross)
-        self.snap_s = snapshot_s(costs)
         self.clock = _Clock()
-        self.trainer = _Trainer()
+        self.trainer = _Trainer(snapshot_s(costs))
         self.counts = _RunCounters()
         self.started = 0
         self.groups = 0
-        self.step_tokens: list[int] = []
-        """Tokens each train step trained on (prompts, tool answers, generated)."""
 
     def contention(self) -> float:
         """How much slower compute runs now because busy threads outnumber the shared
@@ -447,8 +442,7 @@ class _Sim:
         if groups is None:
             return
         tokens = int(sum(t.metrics["tokens"] for g in groups for t in g.trajectories))
-        self.step_tokens.append(tokens)
-        self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now)
+        self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now, tokens)
         self.retime_train()
 
     def retime_train(self) -> None:
@@ -460,7 +454,7 @@ class _Sim:
     def on_train_done(self, gen: int) -> None:
         if not self.trainer.is_current(gen):
             return  # re-planned since
-        groups, published, delivered = self.trainer.finish(self.clock.now, self.snap_s, self.sync_s)
+        groups, published, delivered = self.trainer.finish(self.clock.now, self.sync_s)
         self.buffer.mark_trained(groups)
         self.announce()
         self.clock.push(published, "published")
@@ -525,8 +519,8 @@ class _Sim:
             straggler_wait_s_per_step=c.straggler_s / max(1, len(st)),
             overlap_s=c.overlap_s, train_phase_s=_median(phases), rollout_phase_s=_median(rollouts),
             weight_sync_s=self.sync_s, outcomes=summary, counts_add_up=TrajectoryBuffer.counts_add_up(summary),
-            wall_s=wall, gate_refusals=self.gate.s.rejected_at_gate, snapshot_s=self.snap_s,
-            train_tokens_per_step=sum(self.step_tokens[w:len(st)]) / max(1, len(st) - w),
+            wall_s=wall, gate_refusals=self.gate.s.rejected_at_gate,
+            train_tokens_per_step=sum(self.trainer.tokens[w:len(st)]) / max(1, len(st) - w),
         )
 
 

@@ -17,7 +17,9 @@ class SimTrainer:
     is held for the snapshot, and is then free for the next step while the broadcast runs
     in the background; servers receive the version when the broadcast ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot_s: float = 0.0) -> None:
+        self.snapshot_s = snapshot_s
+        """Seconds each publish holds the trainer for the snapshot."""
         self.version = 0
         self.training = False
         """From popping a batch until the step's snapshot is taken (the trainer is free again)."""
@@ -42,9 +44,12 @@ class SimTrainer:
         """Per step: train + the wait for the previous broadcast + the snapshot, seconds."""
         self.busy: list[tuple[float, float]] = []
         """(start, end) of each computing or snapshotting interval (waits are idle)."""
+        self.tokens: list[int] = []
+        """Tokens each step trained on (prompts, tool answers, generated)."""
 
-    def start(self, groups: list[TrajectoryGroup], seconds: float, now: float) -> None:
+    def start(self, groups: list[TrajectoryGroup], seconds: float, now: float, tokens: int = 0) -> None:
         self.training = self.in_compute = True
+        self.tokens.append(tokens)
         self.left = seconds
         self.started = now
         self.groups = groups
@@ -66,14 +71,14 @@ class SimTrainer:
         """Whether a `train_done` event of re-plan `gen` ends the running step."""
         return gen == self.gen and self.in_compute
 
-    def finish(self, now: float, snap_s: float, sync_s: float) -> tuple[list[TrajectoryGroup], float, float]:
+    def finish(self, now: float, sync_s: float) -> tuple[list[TrajectoryGroup], float, float]:
         """The step's compute ends now. Returns the trained groups, when the version is
-        published (after the previous broadcast ends and the `snap_s` snapshot) and when its
+        published (after the previous broadcast ends and the snapshot) and when its
         `sync_s` broadcast ends."""
         self.in_compute = False
         self.busy.append((self.started, now))
         snap_from = max(now, self.broadcast_ends)
-        published = snap_from + snap_s
+        published = snap_from + self.snapshot_s
         self.busy.append((snap_from, published))
         self.broadcast_ends = published + sync_s
         self.phases.append(published - self.started)
