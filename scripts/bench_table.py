@@ -46,6 +46,8 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
                        "python bench/long_tail_loop.py", "#asynchronous-vs-synchronous-benchasync_vs_syncpy"),
     "sandbox": ("sandbox per call", ["sequential.added_ms_per_call", "concurrency_4.added_ms_per_call"],
                 "python bench/sandbox.py", "sandbox.md#cost-per-call"),
+    "plan_validation": ("planner out of sample", ["samples_per_s_error.*", "abs_error_samples_per_s_median"],
+                        "python bench/plan_validation.py", "planning.md#checked-out-of-sample"),
     "saturation": ("after saturation", ["runs.*.after_target.gen_per_trained", "runs.*.after_target.idle_ratio",
                                         "runs.*.heldout_last"],
                    "python bench/saturation.py --variant base: --variant grown:staleness.grow_groups_to=32",

@@ -1,5 +1,7 @@
-"""The cluster planner (areal_like.plan): validated against a recorded benchmark, the real
-gate's staleness bound, conservation of samples, monotonic sanity, the CLI, cost-file errors."""
+"""The cluster planner (areal_like.plan): its fit to a recorded benchmark (in sample: the
+out-of-sample check is bench/plan_validation.py, docs/planning.md), the overlapped weight
+broadcast, the real gate's staleness bound, conservation of samples, monotonic sanity, the
+CLI, cost-file errors."""
 
 from __future__ import annotations
 
@@ -35,13 +37,15 @@ def bench_setup():
     return cfg, costs
 
 
-def test_predicts_recorded_async_vs_sync_within_15_percent(bench_setup):
+def test_calibrated_fit_to_recorded_async_vs_sync(bench_setup):
+    """In sample, not a validation: the costs are calibrated to this recording's synchronous
+    phases. What it checks is that `calibrate` and the simulator's shape hold together
+    (within 15 % at every η). The recording's idle ratios are derived from samples/s, not
+    measured, so they are not compared."""
     cfg, costs = bench_setup
     for eta, measured in RECORDED["samples_per_s"].items():
         r = simulate(cfg, costs, Split(1, 1), int(eta), steps=16)
         assert abs(r.samples_per_s / measured - 1) <= 0.15, (eta, r.samples_per_s, measured)
-        idle = RECORDED["trainer_idle_ratio"][eta]
-        assert abs(r.trainer_idle_ratio - idle) <= 0.15, (eta, r.trainer_idle_ratio, idle)
     # the shape, not just the level: asynchrony pays, and η=0 runs the phases back to back
     r0 = simulate(cfg, costs, Split(1, 1), 0, steps=16)
     r2 = simulate(cfg, costs, Split(1, 1), 2, steps=16)
@@ -159,3 +163,33 @@ def test_predicts_the_effect_of_adding_a_rollout_server_within_20_percent():
     two_async = simulate(cfg, costs, Split(2, 1), 2, steps=16).samples_per_s
     one_async = simulate(cfg, costs, Split(1, 1), 2, steps=16).samples_per_s
     assert two_async < one_async and measured["2"]["2"] < measured["1"]["2"]  # the sign, too
+
+
+def _broadcast_takes(costs, seconds: float, snapshot_s: float = 0.0):
+    """`costs` with a broadcast of `seconds` (and a snapshot of `snapshot_s`) per version."""
+    rate = 1e6 / seconds if seconds else 1e13
+    return costs.model_copy(update={"weight_sync": costs.weight_sync.model_copy(update={
+        "model_bytes": 10**6, "latency_s": 0.0, "intra_node_bytes_per_s": rate, "inter_node_bytes_per_s": rate,
+        "snapshot_bytes_per_s": 1e6 / snapshot_s if snapshot_s else None})})
+
+
+def test_the_broadcast_overlaps_the_next_step(bench_setup):
+    """As `WeightFeed.publish` does it: the trainer is held for the snapshot only, the
+    broadcast runs while it trains the next step, and the next publish waits for the
+    previous broadcast. A 1 s broadcast under a ~1.7 s train step costs an asynchronous
+    run nothing; one longer than the step sets the pace; synchronously (η = 0) the
+    rollout side needs the version, so the broadcast stays on the critical path."""
+    cfg, costs = bench_setup
+    base = {eta: simulate(cfg, _broadcast_takes(costs, 0.0), Split(1, 1), eta, steps=16) for eta in (0, 2)}
+    slow = {eta: simulate(cfg, _broadcast_takes(costs, 1.0), Split(1, 1), eta, steps=16) for eta in (0, 2)}
+    compute = base[2].train_phase_s
+    assert 1.0 < compute and base[2].trainer_idle_ratio < 0.05  # train-bound
+    assert slow[2].step_s == pytest.approx(base[2].step_s, rel=0.02)  # hidden behind the next step
+    assert slow[2].train_phase_s == pytest.approx(compute, rel=0.02)
+    assert slow[0].step_s == pytest.approx(base[0].step_s + 1.0, rel=0.02)  # η = 0: servers wait for it
+    longer = simulate(cfg, _broadcast_takes(costs, 3.0), Split(1, 1), 2, steps=16)
+    assert longer.step_s == pytest.approx(3.0, rel=0.02)  # each publish waits for the previous broadcast
+    assert longer.trainer_idle_ratio == pytest.approx(1 - compute / 3.0, abs=0.03)  # that wait is idle
+    # the snapshot holds the trainer: it adds to every step, η = 2 included
+    snap = simulate(cfg, _broadcast_takes(costs, 1.0, snapshot_s=0.25), Split(1, 1), 2, steps=16)
+    assert snap.step_s == pytest.approx(base[2].step_s + 0.25, rel=0.02)

@@ -27,6 +27,7 @@ __all__ = [
     "WeightSyncCost",
     "load_costs",
     "parse_lengths",
+    "scale_to_model",
 ]
 
 
@@ -79,9 +80,11 @@ class TrainCost(_Strict):
 
 
 class WeightSyncCost(_Strict):
-    """Broadcasting a version to every rollout server: `latency_s + model_bytes / bandwidth`;
-    the trainer waits for delivery (as `TrainerController` does), servers keep decoding
-    until they apply it."""
+    """Broadcasting a version to every rollout server: `latency_s + model_bytes / bandwidth`.
+    As `WeightFeed.publish` does it, the trainer is held only for the snapshot
+    (`model_bytes / snapshot_bytes_per_s`); the broadcast runs in the background of the next
+    train step, and the next publish waits for it to end. Servers keep decoding until they
+    apply the version."""
 
     model_bytes: int = Field(ge=0, le=10**14)
     """Bytes of one version (parameters × bytes per parameter in the serving dtype)."""
@@ -91,6 +94,9 @@ class WeightSyncCost(_Strict):
     """Achieved broadcast bandwidth when trainer and servers share a node (NVLink, shared memory)."""
     inter_node_bytes_per_s: float = Field(gt=0.0, le=1e13)
     """Achieved broadcast bandwidth across nodes (InfiniBand/Ethernet)."""
+    snapshot_bytes_per_s: float | None = Field(None, gt=0.0, le=1e13)
+    """Rate of the snapshot the trainer waits for before the broadcast goes to the background
+    (a copy into the sender's staging buffer and its digest); None: free."""
 
 
 class LengthDist(_Strict):
@@ -215,3 +221,27 @@ def parse_lengths(spec: str) -> LengthDist:
     except ValidationError as e:
         bad = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or kind}: {err['msg']}" for err in e.errors())
         raise CostFileError(f"--lengths {spec!r}: {bad}") from None
+
+
+def scale_to_model(costs: CostModel, model_bytes: int) -> CostModel:
+    """The costs of another model of `model_bytes` bytes (same dtype) from those profiled,
+    under a plain ASSUMPTION, not a measurement: every compute cost grows in proportion to
+    the parameters — the decode iteration's three terms, the prefill time per token, the
+    train step's fixed and per-token seconds — and the snapshot and broadcast through
+    `model_bytes`; the server's slots and KV capacity in tokens, the episode and the
+    lengths stay. Where the profiled model is tiny (the CPU box) part of each cost is
+    Python and launch overhead that need not grow with the model, and a bigger model may
+    use the core better or worse; docs/planning.md ("Checked out of sample") compares
+    the scaled train cost per token with a measured run of one bigger model."""
+    ratio = model_bytes / max(1, costs.weight_sync.model_bytes)
+    d, t = costs.decode, costs.train
+    return costs.model_copy(update={
+        "decode": d.model_copy(update={
+            "base_s": d.base_s * ratio, "per_seq_s": d.per_seq_s * ratio,
+            "per_context_token_s": d.per_context_token_s * ratio,
+            "prefill_tokens_per_s": d.prefill_tokens_per_s / ratio}),
+        "train": t.model_copy(update={"fixed_s": t.fixed_s * ratio, "seconds_per_token": t.seconds_per_token * ratio}),
+        "weight_sync": costs.weight_sync.model_copy(update={"model_bytes": int(model_bytes)}),
+        "notes": (costs.notes + "; " if costs.notes else "") + f"scaled to a model of {model_bytes} bytes "
+                 f"(×{ratio:.2f}: compute assumed proportional to parameters)",
+    })

@@ -14,7 +14,7 @@ from typing import Any
 
 from areal_like.core.config import ExperimentConfig
 from areal_like.plan.costs import CostModel
-from areal_like.plan.sim import SimResult, Split, simulate
+from areal_like.plan.sim import SimResult, Split, simulate, snapshot_s
 
 __all__ = ["PlanReport", "plan", "candidate_splits", "calibrate", "default_costs_path", "NEAR_BEST"]
 
@@ -136,7 +136,7 @@ def calibrate(cfg: ExperimentConfig, costs: CostModel, *, rollout_phase_s: float
     c = costs
     for _ in range(rounds):
         r = simulate(cfg, c, split, 0, steps=12)
-        sync = r.weight_sync_s
+        sync = snapshot_s(c)  # what of the publish holds the trainer (the broadcast runs behind the next step)
         fr = rollout_phase_s / max(r.rollout_phase_s, 1e-12)
         ft = max(train_phase_s - sync, 1e-9) / max(r.train_phase_s - sync, 1e-12)
         d, e, t = c.decode, c.episode, c.train

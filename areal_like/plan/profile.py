@@ -7,7 +7,9 @@
 - train: `TorchTrainEngine.train_step` (the trainer's class) at two batch sizes, fitted to
   `fixed + seconds_per_token · tokens`;
 - weight sync: a version written and read back through the disk transport (`weight_sync.disk`),
-  bytes / s (the dist transport needs a second process; bench/weight_sync.py measures it).
+  bytes / s (the dist transport needs a second process; bench/weight_sync.py measures it);
+  and the snapshot the trainer is held for before a broadcast goes to the background
+  (`DistWeightSender.send`: the copy into a flat staging buffer and its digests), bytes / s.
 
 Each part takes a few seconds; the numbers are as noisy as the machine is busy, so the
 file records the load average next to them.
@@ -23,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_like.core.config import ExperimentConfig, TrainConfig, WeightSyncConfig
+from areal_like.core.config import DiskWeightSyncConfig, ExperimentConfig
 from areal_like.core.types import SamplingParams, Trajectory
 from areal_like.plan.costs import CostModel, DecodeCost, EpisodeCost, LengthDist, TrainCost, WeightSyncCost
 
-__all__ = ["profile", "fit_linear"]
+__all__ = ["profile", "fit_linear", "default_lengths", "default_episode"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,10 @@ def _train_points(model: str, cfg: ExperimentConfig) -> tuple[list[list[float]],
     from train_cluster.batch import build_batch
     from train_cluster.torch_engine import TorchTrainEngine
 
-    tcfg = TrainConfig(token_budget=cfg.train.token_budget, backend=cfg.train.backend)
+    # The config's own train section (mini-batches, loss, token budget): a step of the
+    # quickstart applies `train.mini_batches` = 4 optimizer steps, and profiling a 1-mini-batch
+    # step instead measured ~0.6 of its cost per token (docs/planning.md, out of sample).
+    tcfg = cfg.train.model_copy(deep=True)
     eng = TorchTrainEngine(model, tcfg)
     vocab = eng._module.config.vocab_size
     eng.train_step(build_batch(_trajectories(16, vocab, 99), tcfg.loss))  # warm-up
@@ -113,7 +118,7 @@ def _weight_sync_rate(model_path: str) -> tuple[float, float, int]:
         tensors.update(load_file(str(f)))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     with tempfile.TemporaryDirectory(prefix="profile_ws_") as d:
-        wcfg = WeightSyncConfig(type="disk", disk_path=d)
+        wcfg = DiskWeightSyncConfig(type="disk", disk_path=d)
         send, recv = DiskWeightSender(wcfg, d), DiskWeightReceiver(wcfg, d)
         times = []
         for v in range(1, 4):
@@ -126,6 +131,44 @@ def _weight_sync_rate(model_path: str) -> tuple[float, float, int]:
     best = min(times)
     log.info("weight sync (disk): %d bytes in %.4f s", nbytes, best)
     return 0.0, nbytes / max(best, 1e-9), nbytes
+
+
+def _snapshot_rate(model_path: str) -> float:
+    """Bytes / s of what `DistWeightSender.send` does before its background thread starts:
+    pack every tensor into one flat staging buffer and digest each slot (best of 3)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from weight_sync.meta import FlatLayout, spec_of
+
+    tensors: dict[str, Any] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    items = list(tensors.items())
+    layout = FlatLayout.from_metas(spec_of(items))
+    staging = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for slot, (_, t) in zip(layout.slots, items, strict=True):
+            layout.view(staging, slot).copy_(t)
+            layout.slot_digest(staging, slot)
+        times.append(time.perf_counter() - t0)
+    log.info("snapshot: %d bytes in %.4f s", layout.total_bytes, min(times))
+    return layout.total_bytes / max(min(times), 1e-9)
+
+
+def default_lengths(cfg: ExperimentConfig) -> LengthDist:
+    """What `profile` writes for the generated lengths: a guess from the config alone
+    (lognormal, median half of `rollout.response_length`), not a measurement."""
+    return LengthDist(kind="lognormal", median=cfg.rollout.response_length / 2, sigma=0.6)
+
+
+def default_episode(cfg: ExperimentConfig) -> EpisodeCost:
+    """What `profile` writes for the agent loop around the generate calls (the quickstart's
+    tool loop: up to two turns, a fast tool, a short tool answer): from the config alone."""
+    return EpisodeCost(prompt_tokens=24, turns=min(2, cfg.agent.max_assistant_turns), tool_latency_s=0.001,
+                       tool_response_tokens=4)
 
 
 def profile(cfg: ExperimentConfig, model_path: str, *, threads: int = 1, quick: bool = False) -> CostModel:
@@ -149,6 +192,7 @@ def profile(cfg: ExperimentConfig, model_path: str, *, threads: int = 1, quick: 
     txs, tys, nbytes = _train_points(model_path, cfg)
     fixed, per_tok = fit_linear(txs, tys)
     lat, bw, wbytes = _weight_sync_rate(model_path)
+    snap_rate = _snapshot_rate(model_path)
     host = os.uname().nodename
     load = os.getloadavg()[0]
     return CostModel(
@@ -164,8 +208,7 @@ def profile(cfg: ExperimentConfig, model_path: str, *, threads: int = 1, quick: 
         train=TrainCost(backend=f"torch ({cfg.train.backend.type}) cpu", fixed_s=fixed,
                         seconds_per_token=max(per_tok, 1e-9), scaling_exponent=0.9),
         weight_sync=WeightSyncCost(model_bytes=wbytes or nbytes, latency_s=lat, intra_node_bytes_per_s=bw,
-                                   inter_node_bytes_per_s=bw),
-        episode=EpisodeCost(prompt_tokens=24, turns=min(2, cfg.agent.max_assistant_turns), tool_latency_s=0.001,
-                            tool_response_tokens=4),
-        lengths=LengthDist(kind="lognormal", median=cfg.rollout.response_length / 2, sigma=0.6),
+                                   inter_node_bytes_per_s=bw, snapshot_bytes_per_s=snap_rate),
+        episode=default_episode(cfg),
+        lengths=default_lengths(cfg),
     )

@@ -11,14 +11,18 @@ What is simulated, on one clock (a heap of timed events):
   `TrajectoryBuffer` (areal_like.core): the simulator only feeds them events, so the
   staleness the plan reports is what the real rules would give;
 - **the trainer**: pops a batch (η re-checked by the buffer), trains for `TrainCost`, then
-  broadcasts the weights (`WeightSyncCost`, the trainer waits for delivery); servers apply
-  the version (pause, and under `interrupt_mode=recompute` re-prefill every in-flight
-  context: the interrupt cost), then the gate sees the new loaded version.
+  publishes the version as `WeightFeed.publish` does: it first waits for the previous
+  version's broadcast to end, is held for the snapshot (`sim.snapshot_s`), and
+  goes on to the next step while the broadcast (`WeightSyncCost`) runs in the background;
+  when the broadcast ends, servers apply the version (pause, and under
+  `interrupt_mode=recompute` re-prefill every in-flight context: the interrupt cost), then
+  the gate sees the new loaded version.
 
 Simplifications (stated in docs/planning.md): CPU contention (`shared_cores`) is taken
 when a segment or step is planned, not re-planned as others start or stop; KV admission
 reserves the full response (no preemption), prefill is not chunked, all servers get a
-version at the same moment, the trainer's DP replicas are one step-time formula.
+version at the same moment, the trainer's DP replicas are one step-time formula, the
+background broadcast takes no compute from the trainer.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from areal_like.core.config import ExperimentConfig
 from areal_like.core.staleness import StalenessGate
 from areal_like.core.types import Trajectory, TrajectoryGroup
 from areal_like.plan.costs import CostModel, LengthDist
+from areal_like.plan.sim_trainer import SimTrainer as _Trainer
 
-__all__ = ["SimInterrupts", "SimLag", "SimResult", "Split", "simulate", "sample_length", "train_step_s", "broadcast_s"]
+__all__ = ["SimInterrupts", "SimLag", "SimResult", "Split", "simulate", "sample_length", "train_step_s", "broadcast_s",
+           "snapshot_s"]
 
 
 @dataclass(frozen=True)
@@ -72,10 +78,17 @@ def train_step_s(costs: CostModel, tokens: int, devices: int) -> float:
 
 
 def broadcast_s(costs: CostModel, cross_node: bool) -> float:
-    """Seconds to deliver one version to every server."""
+    """Seconds to deliver one version to every server (in the background of the next step)."""
     w = costs.weight_sync
     bw = w.inter_node_bytes_per_s if cross_node else w.intra_node_bytes_per_s
     return w.latency_s + w.model_bytes / bw
+
+
+def snapshot_s(costs: CostModel) -> float:
+    """Seconds the trainer is held to snapshot one version before its broadcast starts
+    (the copy into the sender's staging buffer and its digest); 0 when not measured."""
+    w = costs.weight_sync
+    return w.model_bytes / w.snapshot_bytes_per_s if w.snapshot_bytes_per_s else 0.0
 
 
 # ---- simulated entities -----------------------------------------------------------------
@@ -156,6 +169,8 @@ class SimResult:
     samples_per_s: float
     step_s: float
     trainer_idle_ratio: float
+    """Share of the steady window (after warm-up) the trainer neither computed nor took a
+    snapshot: waiting for data, or for the previous broadcast before publishing."""
     rollout_idle_ratio: float
     lag: SimLag
     interrupts: SimInterrupts
@@ -165,12 +180,16 @@ class SimResult:
     """Seconds the trainer computed while some server decoded (0 for η = 0: synchronous)."""
     train_phase_s: float
     rollout_phase_s: float
-    """Median per step: train + broadcast, and the rest of the gap between steps."""
+    """Median per step: train + publish (the wait for the previous broadcast and the
+    snapshot), and the rest of the gap between steps."""
     weight_sync_s: float
+    """One broadcast's seconds (in the background of the next step)."""
     outcomes: dict[str, int]
     counts_add_up: bool
     wall_s: float
     gate_refusals: int
+    train_tokens_per_step: float = 0.0
+    """Mean tokens a train step trained on, after warm-up."""
 
     def as_row(self) -> dict[str, Any]:
         return {
@@ -207,66 +226,6 @@ class _Clock:
 
     def __bool__(self) -> bool:
         return bool(self.heap)
-
-
-class _Trainer:
-    """The trainer in the simulation: the step it runs (re-planned as CPU contention
-    changes), the version it has trained, and its time line (step ends, phases, busy)."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self.training = False
-        """From popping a batch until the weights reach the servers."""
-        self.in_compute = False
-        """During the train step itself (not the broadcast after it)."""
-        self.groups: list[TrajectoryGroup] = []
-        self.started = 0.0
-        self.left = 0.0
-        """Seconds of the step still to compute at full speed, as of `planned_at`."""
-        self.planned_at = 0.0
-        self.factor = 0.0
-        """The contention the running step was last planned at (0: not planned yet)."""
-        self.gen = 0
-        """Bumped at every re-plan: older `train_done` events are stale."""
-        self.step_times: list[float] = []
-        """When each version reached the servers."""
-        self.phases: list[float] = []
-        """Per step: train + broadcast seconds."""
-        self.busy_s = 0.0
-
-    def start(self, groups: list[TrajectoryGroup], seconds: float, now: float) -> None:
-        self.training = self.in_compute = True
-        self.left = seconds
-        self.started = now
-        self.groups = groups
-        self.factor = 0.0
-
-    def replan(self, now: float, factor: float) -> float | None:
-        """(Re)plan the end of the running step at contention `factor`: what was done since
-        the last plan is credited at the old rate. Returns the new end, or None when the
-        rate did not change."""
-        if factor == self.factor:
-            return None
-        if self.factor:
-            self.left -= (now - self.planned_at) / self.factor
-        self.planned_at, self.factor = now, factor
-        self.gen += 1
-        return now + max(0.0, self.left) * factor
-
-    def is_current(self, gen: int) -> bool:
-        """Whether a `train_done` event of re-plan `gen` ends the running step."""
-        return gen == self.gen and self.in_compute
-
-    def finish(self, now: float, sync_s: float) -> list[TrajectoryGroup]:
-        """The step ends now and its broadcast takes `sync_s`; returns the trained groups."""
-        dt = now - self.started
-        self.busy_s += dt
-        self.phases.append(dt + sync_s)
-        self.in_compute = False
-        self.version += 1
-        self.step_times.append(now + sync_s)
-        self.busy_s += sync_s
-        return self.groups
 
 
 class _RunCounters:
@@ -317,7 +276,7 @@ class _Sim:
         cross = nodes > 1 or split.rollout_devices + split.train_devices > costs.devices_per_node
         self.sync_s = broadcast_s(costs, cross)
         self.clock = _Clock()
-        self.trainer = _Trainer()
+        self.trainer = _Trainer(snapshot_s(costs))
         self.counts = _RunCounters()
         self.started = 0
         self.groups = 0
@@ -348,6 +307,8 @@ class _Sim:
                 self.submit(data)
             elif kind == "train_done":
                 self.on_train_done(data)
+            elif kind == "published":
+                self.trainer.published()
             elif kind == "weights_sent":
                 self.on_weights_delivered(data)
             elif kind == "weights_loaded":
@@ -475,13 +436,13 @@ class _Sim:
 
     # -- trainer side
     def try_train(self) -> None:
-        if self.trainer.training:
-            return
+        if self.trainer.training or self.trainer.version >= self.steps:
+            return  # busy, or the run's last version is out
         groups = self.buffer.pop_batch(self.trainer.version, self.cfg.train.batch_size)
         if groups is None:
             return
         tokens = int(sum(t.metrics["tokens"] for g in groups for t in g.trajectories))
-        self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now)
+        self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now, tokens)
         self.retime_train()
 
     def retime_train(self) -> None:
@@ -493,10 +454,11 @@ class _Sim:
     def on_train_done(self, gen: int) -> None:
         if not self.trainer.is_current(gen):
             return  # re-planned since
-        groups = self.trainer.finish(self.clock.now, self.sync_s)
+        groups, published, delivered = self.trainer.finish(self.clock.now, self.sync_s)
         self.buffer.mark_trained(groups)
         self.announce()
-        self.clock.push(self.clock.now + self.sync_s, "weights_sent", self.trainer.version)
+        self.clock.push(published, "published")
+        self.clock.push(delivered, "weights_sent", self.trainer.version + 1)
 
     def announce(self) -> None:
         """The trainer's cumulative counts reach the gate (drops free capacity)."""
@@ -504,7 +466,6 @@ class _Sim:
 
     def on_weights_delivered(self, version: int) -> None:
         """Every server applies the version: pause, and under recompute re-prefill in-flight contexts."""
-        self.trainer.training = False
         d, mode = self.costs.decode, self.cfg.rollout.interrupt_mode
         now = self.clock.now
         done_at = now
@@ -549,7 +510,7 @@ class _Sim:
         return SimResult(
             eta=self.eta, split=self.split, servers=len(self.servers), steps=len(st),
             samples_per_s=trained_after / span, step_s=span / max(1, len(st) - w),
-            trainer_idle_ratio=max(0.0, 1 - self.trainer.busy_s / max(wall, 1e-12)),
+            trainer_idle_ratio=max(0.0, 1 - self.trainer.busy_between(t0, t0 + span) / span),
             rollout_idle_ratio=max(0.0, 1 - busy / max(wall * len(self.servers), 1e-12)),
             lag=SimLag(hist=dict(sorted(hist.items())), max=max(lags, default=0),
                        mean=sum(k * v for k, v in hist.items()) / n_lag),
@@ -559,6 +520,7 @@ class _Sim:
             overlap_s=c.overlap_s, train_phase_s=_median(phases), rollout_phase_s=_median(rollouts),
             weight_sync_s=self.sync_s, outcomes=summary, counts_add_up=TrajectoryBuffer.counts_add_up(summary),
             wall_s=wall, gate_refusals=self.gate.s.rejected_at_gate,
+            train_tokens_per_step=sum(self.trainer.tokens[w:len(st)]) / max(1, len(st) - w),
         )
 
 
