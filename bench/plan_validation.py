@@ -28,7 +28,7 @@ simulator does not lend), uniform groups kept (the profile measures no reward), 
 evaluation or checkpoints during the steps.
 
     python bench/plan_validation.py [--steps 16] [--etas 0,1,2,4] [--big-size 25] [--runs NAME,...]
-    python bench/plan_validation.py --smoke   # a quick profile, η = 0 and a 1M "bigger" model, 3 steps
+    python bench/plan_validation.py --smoke   # a quick profile and one unseen run (a 1M "bigger" model), 3 steps
 
 Progress on stderr; the last stdout line is one JSON object (bench/_record.py).
 """
@@ -215,7 +215,7 @@ def main() -> None:
                     help="extra config override for every run (repeatable)")
     ap.add_argument("--out", default=None, help="default: runs/bench_plan_validation (--smoke: a temporary folder)")
     args, recorder = _record.parse(ap, __file__, smoke={
-        "etas": "0", "steps": 3, "big_steps": 3, "big_size": 1, "quick_profile": True, "runs": "eta0,bigger",
+        "etas": "0", "steps": 3, "big_steps": 3, "big_size": 1, "quick_profile": True, "runs": "bigger",
         "sets": ["train.batch_size=2"]})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     out = _record.out_dir(args.out, "plan_validation", args.smoke)
