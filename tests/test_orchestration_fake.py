@@ -4,6 +4,7 @@ the real gate, buffer, channels, run folder and resume (invariants 1 and 5)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -23,8 +24,9 @@ from tests.test_rollout_controller import FakeRollout, _rows
 
 
 class FakeTrainer:
-    def __init__(self, nan_at: int = -1, nan_times: int = 1, step_s: float = 0.0) -> None:
+    def __init__(self, nan_at: int = -1, nan_times: int = 1, step_s: float = 0.0, gap: float = 0.0) -> None:
         self.version = 0
+        self.gap = gap
         self.step_s = step_s
         self.ended_at: list[float] = []
         self.w = torch.zeros(3)
@@ -45,7 +47,7 @@ class FakeTrainer:
             return {"loss": float("nan")}
         self.version += 1
         self.w += 1
-        return {"loss": 0.1, "behav_prox_gap": 0.0}
+        return {"loss": 0.1, "behav_prox_gap": self.gap}
 
     def named_weights(self):
         yield "w", self.w
@@ -178,6 +180,15 @@ def test_colocated_servers_hold_through_every_train_step(tmp_path) -> None:
         assert not [t for t in fake.token_at if start <= t <= end]
     steps = [r for r in read_jsonl(rd.metrics) if r["kind"] == "train_step"]
     assert len(steps) == 6 and all(r["colocate_wait_s"] >= 0 for r in steps)
+
+
+def test_a_policy_running_away_from_its_sampler_is_said_on_the_console(tmp_path, caplog) -> None:
+    """Train steps whose behaviour–proximal gap stays at 0.6 nats: the trainer says so, once,
+    with what to lower (the ablation's runs at that gap lost held-out accuracy)."""
+    with caplog.at_level(logging.WARNING, logger="areal_like.orchestration.trainer_policies"):
+        _run(tmp_path, 8, trainer=FakeTrainer(gap=0.6))
+    said = [r.getMessage() for r in caplog.records if "nats per token away" in r.getMessage()]
+    assert len(said) == 1 and "lower train.lr" in said[0].lower(), said
 
 
 def test_without_colocate_nothing_is_held(tmp_path) -> None:

@@ -331,10 +331,25 @@ def test_the_end_note_says_what_the_rollout_side_still_does() -> None:
 def test_skipped_steps_in_a_row_end_the_run_and_a_trained_step_resets_them(caplog) -> None:
     rules = StopRules(_cfg("train.max_consecutive_skips=2"), "r")
     rules.skipped(4, lambda: "hint")
-    rules.trained()
+    rules.trained({})
     rules.skipped(4, lambda: "hint")
     with pytest.raises(RunAborted, match="2 train steps in a row at v4.*hint"):
         rules.skipped(4, lambda: "hint")
+
+
+def test_a_policy_drifting_from_the_sampler_is_said_once_per_doubling() -> None:
+    """The mean behaviour–proximal gap of the last 5 steps past 0.3 nats: one line naming
+    the gap, η and lr and what to lower; quiet below it, and again only once it doubles."""
+    rules = StopRules(_cfg("staleness.max_staleness=8", "train.lr=2.5e-4"), "r")
+    lines = [rules.trained({"behav_prox_gap": g}) for g in (0.1, 0.12, 0.11, 0.13, 0.12, 0.1)]
+    assert lines == [None] * 6  # a healthy run (the shipped lr at η = 8: ~0.12)
+    lines = [rules.trained({"behav_prox_gap": g}) for g in (0.6, 0.6, 0.6, 0.6)]
+    said = [x for x in lines if x is not None]
+    assert len(said) == 1 and "η=8" in said[0] and "lr=0.00025" in said[0], lines
+    assert "train.lr" in said[0] and "staleness.max_staleness" in said[0]
+    assert [rules.trained({"behav_prox_gap": 0.55}) for _ in range(5)] == [None] * 5  # not doubled since
+    assert rules.trained({"behav_prox_gap": 5.0}) is not None
+    assert rules.trained({}) is None  # a step without the statistic (a backend that does not log it)
 
 
 def test_the_eval_target_is_reached_once() -> None:

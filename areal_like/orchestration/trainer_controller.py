@@ -349,7 +349,9 @@ class TrainerController:
             self.buffer.mark_skipped(groups)
             self.rules.skipped(v, self.checkpoints.resume_hint)
         else:
-            self.rules.trained()
+            drift = self.rules.trained(stats)
+            if drift is not None:
+                self.notes.warn(drift)
             self.buffer.mark_trained(groups)
             if self.cfg.run.record_trajectories:
                 self.run_dir.append_trajectories(groups, consumed_at_version=v)

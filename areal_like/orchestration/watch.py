@@ -12,6 +12,10 @@ it and prints or raises what it returns.
   the rollout side, whose log is not the console; one line within seconds of the first
   report of them, then at most one a minute while the count grows.
 - `WaitNotes`: a line at least every `every_s` while the trainer waits, saying for what.
+- `DriftWatch`: the trainer's policy running away from the sampler's (the train steps' mean
+  |log π_prox − log π_behav|, nats per token). In the staleness ablation the runs whose
+  gap stayed above a few tenths of a nat lost held-out accuracy, decoupled PPO most
+  (docs/benchmarks.md, "A faster learning rate"); nothing said so while they ran.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 from areal_like.core.types import EpisodeFailures, RolloutStats, TrajectoryGroup
 
-__all__ = ["SignalWatch", "FailureNotes", "WaitNotes"]
+__all__ = ["SignalWatch", "FailureNotes", "WaitNotes", "DriftWatch"]
 
 
 def _values(counts: Counter[float], most: int = 4) -> str:
@@ -126,3 +130,32 @@ class WaitNotes:
             return False
         self._last = self.clock()
         return True
+
+
+class DriftWatch:
+    """One line when the mean behaviour–proximal gap of the last `window` trained steps
+    passes `warn_nats`, and again each time that mean doubles: at a high learning rate with
+    η > 0 the policy moves further per version than the data can follow."""
+
+    def __init__(self, *, eta: int, lr: float, warn_nats: float = 0.3, window: int = 5) -> None:
+        self.eta = eta
+        self.lr = lr
+        self.warn_nats = warn_nats
+        self.window = window
+        self._gaps: list[float] = []
+        self._next = warn_nats
+
+    def step(self, stats: dict[str, Any]) -> str | None:
+        gap = stats.get("behav_prox_gap")
+        if gap is None:
+            return None
+        self._gaps = [*self._gaps[-(self.window - 1):], float(gap)]
+        mean = sum(self._gaps) / len(self._gaps)
+        if len(self._gaps) < self.window or mean < self._next:
+            return None
+        self._next = 2 * mean
+        return (f"the sampler's policy is {mean:.2f} nats per token away from the trainer's (mean "
+                f"|log π_prox − log π_behav| over the last {self.window} steps, η={self.eta}, lr={self.lr:g}): "
+                "the policy moves further per version than the stale data can follow; in the staleness ablation "
+                "runs like this lost held-out accuracy (decoupled PPO most). Lower train.lr or "
+                "staleness.max_staleness (docs/staleness.md)")
