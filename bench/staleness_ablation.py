@@ -401,6 +401,9 @@ def main() -> None:
             for p in pairs if "diff_mean" in p},
         "runs": runs,
         "total_s": round(time.time() - t_all, 1),
+        # the runs' own other-process CPU (median over runs): with --reuse the record's
+        # `other_cores` is the tabulation's, not the runs'; the summary table shows this one
+        "runs_other_cores": round(other, 3),
     }
     hi, lo = max(etas), min(etas)
     for name, mode in itertools.product(names, modes):

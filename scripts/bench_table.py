@@ -152,8 +152,11 @@ def row(name: str, rec: dict[str, Any] | None, doc: str) -> str:
         "no headline keys found (set them in scripts/bench_table.py)")
     if where:
         headline += f" ([details]({where}))"
-    other = rec.get("other_cores")
+    # a benchmark that tabulates earlier runs (--reuse) records its runs' own figure
+    other = rec.get("runs_other_cores", rec.get("other_cores"))
     cores = f"{fmt(other)} of {rec['cpu_count']}" if other is not None and rec.get("cpu_count") else fmt(other)
+    if "runs_other_cores" in rec:
+        cores += " (runs' median)"
     return (f"| {cell(title)} | {cell(headline)} | `{cell(str(rec.get('command', '?')))}` "
             f"| {cell(str(rec.get('commit', '?')))} | {cell(str(rec.get('date', '?')))} | {cores} |")
 

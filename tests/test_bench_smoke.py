@@ -27,6 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
 RECORD_KEYS = {"smoke", "command", "commit", "date", "other_cores"}
 SMOKE_TIMEOUT_S = 420
+BENCH_KEYS = {
+    # #29's bar: our step cost against TRL's, both in the JSON (TRL's list is empty where its venv is absent)
+    "vs_trl.py": {"ours_median_step_s", "trl_median_step_s", "step_cost_ratio_ours_over_trl",
+                  "speedup_time_to_target_vs_trl"},
+}
 
 
 def _results_state() -> dict[str, int]:
@@ -74,6 +79,10 @@ def test_bench_smoke(script: str, tmp_path: Path) -> None:
     assert datetime.datetime.fromisoformat(rec["date"]).utcoffset() == datetime.timedelta(0), rec["date"]
     assert isinstance(rec["other_cores"], (int, float)) and rec["other_cores"] >= 0, rec["other_cores"]
     assert _results_state() == before, "a smoke run must not write bench/results/"
+    lacks = BENCH_KEYS.get(script, set()) - set(rec)
+    assert not lacks, f"bench/{script}'s record lacks {sorted(lacks)}"
+    if script == "vs_trl.py":
+        assert all(isinstance(x, (int, float)) and x > 0 for x in rec["ours_median_step_s"]), rec["ours_median_step_s"]
 
 
 @pytest.mark.timeout(180)
