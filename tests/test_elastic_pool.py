@@ -437,3 +437,53 @@ def test_under_a_launcher_that_places_an_added_server_gets_a_group_of_its_own(tm
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_each_new_target_asks_the_autoscaler_for_the_whole_pool_and_the_end_withdraws_it(tmp_path) -> None:
+    """Ray's autoscaling hook: a new target asks the launcher for room for that many
+    bundles of the pool's shape (the last request replaces the earlier ones); the same
+    count asked again is not re-sent; the run's end withdraws the request."""
+    from areal_like.orchestration.elastic import PoolSizer
+
+    cfg = _cfg(tmp_path, "cluster.rollout_pool.num_cpus=2", "rollout.num_servers=2")
+    asked: list[list[dict[str, float]]] = []
+
+    async def main() -> None:
+        pool, weights, manager, _, gate = await _rollout_side(cfg, FakeLauncher())
+        sizer = PoolSizer(cfg, pool, weights, manager, gate, request_capacity=asked.append)
+        sizer.request(2)
+        sizer.request(3)
+        await _settle(sizer)
+        sizer.request(3)
+        sizer.request(1)
+        await _settle(sizer)
+        await sizer.stop()
+        await pool.close()
+
+    asyncio.run(main())
+    assert asked == [[{"CPU": 1.0}] * 2, [{"CPU": 1.0}] * 3, [{"CPU": 1.0}], []], asked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_ray_launcher_puts_the_request_where_the_autoscaler_reads_it() -> None:
+    """On a real (local) Ray: `request_capacity` lands in the channel Ray's autoscaler
+    reads (`request_resources`' KV entry), and `[]` empties it."""
+    ray = pytest.importorskip("ray")
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from areal_like.launcher.ray_launcher import RayLauncher
+
+    ray.init(num_cpus=1, include_dashboard=False, address="local", log_to_driver=False)
+    try:
+        if is_autoscaler_v2():
+            pytest.skip("this Ray sends the request to the v2 autoscaler over RPC: nothing to read back here")
+        launcher = RayLauncher()
+        launcher.request_capacity([{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
+        assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == [{"CPU": 1.0}] * 3
+        launcher.request_capacity([])
+        assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == []
+    finally:
+        ray.shutdown()

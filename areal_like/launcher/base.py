@@ -119,6 +119,11 @@ class Launcher(Protocol):
         """Give back a group `place` made (None: nothing)."""
         ...
 
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """Ask the cluster's autoscaler for room for `bundles` (a pool's whole shape; each
+        call replaces the one before, `[]` withdraws it). Plain processes: nothing to ask."""
+        ...
+
     def kill(self, handle: Any) -> None:
         """Kill an actor; one that is gone already is no error."""
         ...

@@ -295,6 +295,9 @@ class Zygote:
     def remove(self, group: Any) -> None:
         pass
 
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """No autoscaler: this machine is what there is."""
+
     def kill(self, handle: Any) -> None:
         kill(handle)
 

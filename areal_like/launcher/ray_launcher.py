@@ -15,10 +15,13 @@ Ray is imported when a Ray launcher is brought up or used, never on import of th
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from areal_like.launcher.base import ActorCallError, ActorDied, Placement, Ref, kill
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RayActor", "RayLauncher", "RayRef", "init_ray", "ray_env"]
 
@@ -52,8 +55,6 @@ def init_ray(**kwargs: Any) -> None:
     if not kwargs.get("address"):
         kwargs["address"] = "local"
     if not kwargs.get("log_to_driver", True):  # a quiet run: Ray's own INFO banner stays off the console
-        import logging
-
         kwargs.setdefault("logging_level", logging.WARNING)
     main_thread = threading.current_thread() is threading.main_thread()
     sigs = (signal.SIGTERM, signal.SIGINT)
@@ -262,6 +263,17 @@ class RayLauncher:
         from areal_like.launcher.ray_placement import place
 
         return place(name, bundles, strategy)
+
+    def request_capacity(self, bundles: list[dict[str, float]]) -> None:
+        """Ray's autoscaler hook (`ray.autoscaler.sdk.request_resources`): an autoscaling
+        cluster adds nodes until `bundles` fit (a fixed cluster ignores it). Best effort: a
+        failure is logged, never raised (the placement itself says when room is missing)."""
+        from ray.autoscaler.sdk import request_resources
+
+        try:
+            request_resources(bundles=[dict(b) for b in bundles])
+        except Exception as e:  # (an old Ray, a cluster without the autoscaler's channel)
+            log.warning("could not ask Ray's autoscaler for %d bundle(s): %s", len(bundles), e)
 
     def remove(self, group: Any) -> None:
         if group is None:

@@ -126,8 +126,16 @@ class PoolSizer:
     for every announcement that carries a count and returns at once; the work is one
     task at a time."""
 
-    def __init__(self, cfg: ExperimentConfig, pool: Any, weights: Any, manager: Any, gate: Any) -> None:
+    def __init__(self, cfg: ExperimentConfig, pool: Any, weights: Any, manager: Any, gate: Any,
+                 request_capacity: Callable[[list[dict[str, float]]], None] | None = None) -> None:
+        from areal_like.orchestration.pools import rollout_bundles
+
         self.pool, self.weights, self.manager, self.gate = pool, weights, manager, gate
+        self.request_capacity = request_capacity
+        """The launcher's autoscaler hook: asked for the pool's whole shape at each new target."""
+        self.bundle = rollout_bundles(cfg)[0]
+        self.asked = 0
+        """Servers' worth of room asked of the autoscaler (0: nothing asked)."""
         self.max = max_servers(cfg)
         self.per_server = cfg.staleness.max_concurrent / cfg.rollout.num_servers
         self.min_concurrent = cfg.rollout.group_size
@@ -150,6 +158,7 @@ class PoolSizer:
         if servers != self.target:
             log.info("rollout pool: %d -> %d server(s) asked for", len(self.members()), servers)
             self.target, self.error = servers, ""
+            self._ask_capacity(servers)
         if (self._task is None or self._task.done()) and not self.error and len(self.members()) != self.target:
             self._task = asyncio.get_running_loop().create_task(self._reconcile(), name="pool-resize")
 
@@ -234,9 +243,21 @@ class PoolSizer:
                 "servers_added": float(self.added), "servers_drained": float(self.drained),
                 "max_concurrent": float(self.gate.max_concurrent), "resize_error": self.error}
 
+    def _ask_capacity(self, servers: int) -> None:
+        """Room for `servers` bundles, asked of an autoscaling cluster at each new target,
+        before its servers are placed (Ray: `request_resources`, which keeps the last
+        request; `stop` withdraws it with `[]`)."""
+        if self.request_capacity is None or servers == self.asked:
+            return
+        self.asked = servers
+        self.request_capacity([dict(self.bundle) for _ in range(servers)])
+
     async def stop(self) -> None:
         """The run ends: nothing more is resized (a server half-started is stopped with
-        the pool)."""
+        the pool), and a request for room is withdrawn."""
+        if self.asked and self.request_capacity is not None:
+            self.asked = 0
+            self.request_capacity([])
         self._stopped = True
         if self._task is not None:
             self._task.cancel()

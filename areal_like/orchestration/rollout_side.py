@@ -134,7 +134,8 @@ class RolloutSide:
             if sampling.approximate_logprobs:
                 log.warning("rollout.top_p/top_k truncate sampling: importance weights are approximate")
             gate = self._build_gate()
-            self.sizer = PoolSizer(cfg, self.pool, self.weights, self.manager, gate)
+            self.sizer = PoolSizer(cfg, self.pool, self.weights, self.manager, gate,
+                                   request_capacity=self.launcher.request_capacity)
             controller = RolloutController(
                 gate=gate,
                 source=self._build_source(runner),
