@@ -178,10 +178,10 @@ def profile(cfg: ExperimentConfig, model_path: str, *, threads: int = 1, quick: 
     from rollout_cluster.engine.embedded import EmbeddedEngine
 
     torch.set_num_threads(threads)
-    ecfg = cfg.rollout.engine
-    max_batch = getattr(ecfg, "max_batch_size", 64)
-    max_seq = getattr(ecfg, "max_seq_len", 512)
     from areal_like.core.config import EmbeddedEngineConfig
+
+    ecfg = cfg.rollout.engine  # the profile times the embedded engine; a vLLM config lends no shape
+    max_batch, max_seq = (ecfg.max_batch_size, ecfg.max_seq_len) if isinstance(ecfg, EmbeddedEngineConfig) else (64, 512)
 
     engine = EmbeddedEngine(model_path, EmbeddedEngineConfig(max_batch_size=max_batch, max_seq_len=max_seq),
                             eos_token_ids=[])
