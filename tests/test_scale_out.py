@@ -59,7 +59,12 @@ def _audit(run_dir: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+# The Ray variants (40 s each on 2 cores) run in the slow suite: the default suite keeps
+# the local launcher's, and the launcher's own tests pin that both keep one face.
+LAUNCHERS = ["local", pytest.param("ray", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_two_server_actors_are_two_processes_and_both_serve_trained_versions(tiny_model_dir, tmp_path,
                                                                             launcher) -> None:
     from areal_like.orchestration.launch import run_both
@@ -86,7 +91,7 @@ def test_two_server_actors_are_two_processes_and_both_serve_trained_versions(tin
     assert audit.returncode == 0, audit.stdout + audit.stderr
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_killed_server_process_is_restarted_with_the_served_version(tiny_model_dir, tmp_path, launcher) -> None:
     """SIGKILL one server's process while it generates: its episodes move to the other
     server, a fresh actor starts in its bundle, copies the version the other serves
