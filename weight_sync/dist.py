@@ -1,5 +1,9 @@
 """Dist transport: a dedicated torch.distributed group (trainer rank 0 + every rollout engine).
 
+Why one file of ~840 lines: the sender, the receiver and the membership/rendezvous
+protocol they share (store keys, the plan, the 6-int header, the commit allreduce) change
+together; split apart, each half would restate the wire format the other must match.
+
 Why a group built by hand: the trainer already has a default process group (DDP/FSDP)
 and `init_process_group` can run once per process; `ray.util.collective` reuses the
 default group and hangs (docs/design.md §8). So the sender hosts its own `TCPStore`
