@@ -27,6 +27,7 @@ the CPU that other processes used meanwhile is recorded per run.
 
     python bench/staleness_ablation.py                      # the full grid: 2 × 4 × 2 × 8 = 128 runs
     python bench/staleness_ablation.py --configs configs/quickstart.yaml --etas 8 --seeds 0,1,2,3 --steps 20
+    python bench/staleness_ablation.py --jobs 7 ...   # 7 runs at once on a many-core machine
     python bench/staleness_ablation.py --smoke   # quickstart, η 2, decoupled, one seed, 2 steps of 2 prompts
 
 Writes `staleness_ablation.png` (accuracy ± 95 % CI per η, and the paired difference) and
@@ -46,6 +47,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -342,9 +344,12 @@ def main() -> None:
                     help="default: runs/bench_staleness_ablation (--smoke: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="keep runs that finished in --out (same settings!)")
     ap.add_argument("--no-doc", action="store_true", help="do not rewrite the tables in docs/benchmarks.md")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once (a machine with many cores; each run uses about 2)")
     args, recorder = _record.parse(ap, __file__, smoke={"configs": "configs/quickstart.yaml", "etas": "2",
                                                          "seeds": "0", "modes": "decoupled", "steps": 2,
-                                                         "eval_samples": 8, "sets": ["train.batch_size=2"]})
+                                                         "eval_samples": 8, "sets": ["train.batch_size=2"],
+                                                         "jobs": 2})  # the pool's path too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     configs = [c for c in args.configs.split(",") if c]
     etas = [int(x) for x in args.etas.split(",")]
@@ -358,29 +363,48 @@ def main() -> None:
     if len(set(names)) != len(names):
         ap.error(f"--configs: two files share a name: {names}")
     cells_grid = [(c, e, m) for c in configs for e in etas for m in modes]
-    runs: list[dict[str, Any]] = []
+    order = [(seed, cfg, eta, mode) for i, seed in enumerate(seeds)
+             for cfg, eta, mode in (cells_grid if i % 2 == 0 else list(reversed(cells_grid)))]
     t_all = time.time()
-    k = 0
-    for i, seed in enumerate(seeds):
-        for cfg, eta, mode in cells_grid if i % 2 == 0 else list(reversed(cells_grid)):
-            k += 1
-            run_dir = out / config_name(cfg) / f"eta{eta}_{mode}_seed{seed}"
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            log.info("[%d/%d] %s η=%d %s seed %d ...", k, len(cells_grid) * len(seeds), config_name(cfg), eta,
-                     mode, seed)
-            done_file = run_dir.parent / f"{run_dir.name}.cpu.json"
-            if args.reuse and done_file.exists():  # finished earlier with the same settings
-                cpu = json.loads(done_file.read_text())
-            else:
-                cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples), *args.sets], run_dir)
-                done_file.write_text(json.dumps(cpu))
-            s = {"config": config_name(cfg), "eta": eta, "mode": mode, "seed": seed, **summarise(run_dir),
-                 **weight_stats(run_dir), **cpu}
-            runs.append(s)
-            log.info("    accuracy %s, train reward %.3f, lag max %d (mean %.2f), cut %.4f, clip %.4f, "
-                     "|θ−prox| %.4f, %.1f s, other CPU %.2f cores", s["eval_accuracy"], s["final_reward"],
-                     s["max_version_lag"], s["mean_version_lag"], s["cut_frac"], s["clip_frac"],
-                     s["theta_prox_gap"], s["wall_s"], s["other_cores"])
+
+    def run_dir_of(cfg: str, eta: int, mode: str, seed: int) -> Path:
+        return out / config_name(cfg) / f"eta{eta}_{mode}_seed{seed}"
+
+    def one(k: int, seed: int, cfg: str, eta: int, mode: str) -> None:
+        """Run one cell-seed unless it finished earlier (--reuse); its CPU lands beside it."""
+        run_dir = run_dir_of(cfg, eta, mode, seed)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        done_file = run_dir.parent / f"{run_dir.name}.cpu.json"
+        if args.reuse and done_file.exists():  # finished earlier with the same settings
+            return
+        log.info("[%d/%d] %s η=%d %s seed %d ...", k, len(order), config_name(cfg), eta, mode, seed)
+        cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples), *args.sets], run_dir)
+        done_file.write_text(json.dumps(cpu))
+
+    if args.jobs <= 1:
+        for k, task in enumerate(order, 1):
+            one(k, *task)
+    else:  # a big machine: N runs at once; each run's `other_cores` then counts its siblings
+        failed = []
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = {pool.submit(one, k, *task): task for k, task in enumerate(order, 1)}
+            for fut in as_completed(futures):
+                if fut.exception() is not None:
+                    log.error("run %s failed: %s", futures[fut], fut.exception())
+                    failed.append(futures[fut])
+        if failed:  # the finished ones are kept: rerun with --reuse
+            raise SystemExit(f"{len(failed)} of {len(order)} runs failed: {failed}")
+    runs: list[dict[str, Any]] = []
+    for seed, cfg, eta, mode in order:
+        run_dir = run_dir_of(cfg, eta, mode, seed)
+        cpu = json.loads((run_dir.parent / f"{run_dir.name}.cpu.json").read_text())
+        s = {"config": config_name(cfg), "eta": eta, "mode": mode, "seed": seed, **summarise(run_dir),
+             **weight_stats(run_dir), **cpu}
+        runs.append(s)
+        log.info("%s η=%d %s seed %d: accuracy %s, train reward %.3f, lag max %d (mean %.2f), cut %.4f, "
+                 "clip %.4f, |θ−prox| %.4f, %.1f s, other CPU %.2f cores", s["config"], eta, mode, seed,
+                 s["eval_accuracy"], s["final_reward"], s["max_version_lag"], s["mean_version_lag"],
+                 s["cut_frac"], s["clip_frac"], s["theta_prox_gap"], s["wall_s"], s["other_cores"])
 
     cells, pairs = tabulate(runs, names, etas, modes)
     other = statistics.median(r["other_cores"] for r in runs)

@@ -13,7 +13,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-if ls .whl/*.whl >/dev/null 2>&1; then
+if PYTHONPATH=/tmp/site python3 -c 'import pydantic, zmq, cachetools, megatron.core' 2>/dev/null; then
+  export PYTHONPATH=/tmp/site:$PWD  # installed already (a caller running other work beside this)
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site:$PWD
