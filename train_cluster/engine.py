@@ -240,7 +240,8 @@ class TrainEngine(ABC):
 
     thread_lender: Any = None
     """A `core.cores.ThreadLender` (set by the train worker on a shared machine): the thread
-    count is picked again before each mini-batch and each logprob pass."""
+    count is picked again before each micro-batch (forward and backward, or a logprob
+    forward), so borrowed threads go back within one micro-batch of the lender resuming."""
 
     def _pick_threads(self) -> None:
         if self.thread_lender is not None:
@@ -254,7 +255,6 @@ class TrainEngine(ABC):
         gradients over ranks), so the summed gradient is that of the whole mini-batch
         as one batch, however it is split.
         """
-        self._pick_threads()
         loss_cfg = self.loss_cfg
         counts = torch.tensor([float(mini.num_loss_tokens), float(mini.num_seqs)], dtype=torch.float64)
         counts = self._all_reduce(counts)
@@ -266,6 +266,7 @@ class TrainEngine(ABC):
         self._train_mode(True)
         for i, idx in enumerate(plan):
             last = i == len(plan) - 1
+            self._pick_threads()
             with self._grad_sync(last):
                 if not idx:  # keeps collectives aligned across ranks; contributes nothing
                     self._dummy_backward()
@@ -326,11 +327,11 @@ class TrainEngine(ABC):
         return loss, sums, w_max
 
     def _logprobs_with(self, forward: Any, batch: TrainBatch) -> torch.Tensor:
-        self._pick_threads()
         self._train_mode(False)
         out = torch.zeros(batch.num_tokens, dtype=torch.float32)
         offs = batch.offsets().tolist()
         for idx in self._plan(batch):
+            self._pick_threads()
             if not idx:
                 self._dummy_forward(forward)
                 continue

@@ -275,12 +275,12 @@ class TorchTrainEngine(TrainEngine):
 
     def _forward_logits(self, mb: TrainBatch) -> torch.Tensor:
         with self._autocast():
-            return _hf_logits(self._model, mb, self.device)
+            return _hf_logits(self._model, mb, self.device, split=self.world_size == 1)
 
     def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         def forward(mb: TrainBatch) -> torch.Tensor:
             with self._autocast():
-                return _hf_logits(self._ref, mb, self.device)
+                return _hf_logits(self._ref, mb, self.device, split=self.world_size == 1)
 
         with torch.no_grad():
             return self._logprobs_with(forward, batch)
@@ -316,16 +316,107 @@ class TorchTrainEngine(TrainEngine):
             dist.barrier(group=self.group)
 
 
-def _hf_logits(model: Any, mb: TrainBatch, device: torch.device) -> torch.Tensor:
-    """Logits [N, V] of a micro-batch's packed tokens, computed the cheaper way: one packed
-    row attends through a dense block-diagonal mask, so its attention costs (Σ len)²; a
-    right-padded batch is plain causal attention at n · max_len². For the quickstart's
-    ~16 sequences of ~50 tokens per micro-batch that is 10x less attention (forward and
-    backward): docs/benchmarks.md, per-step profile."""
+def _hf_logits(model: Any, mb: TrainBatch, device: torch.device, *, split: bool = True) -> torch.Tensor:
+    """Logits [N, V] of a micro-batch's packed tokens, computed the cheapest way.
+
+    Two ways to run sequences of different lengths: one packed row attends through a dense
+    block-diagonal mask, so attention costs (Σ len)² but no token is wasted; right-padded rows
+    are plain causal attention, n · max² of it, and every row computes its padding through
+    the linear layers too. Which is cheaper depends on the lengths: for the quickstart's ~16
+    sequences of ~50 tokens padding is 10x less attention; with a long tail (one answer of
+    250 tokens among answers of 60) padding the short ones to 250 computes four times the
+    tokens. So the sequences, sorted by length, are cut into runs (`_split_by_cost`), each run
+    computed packed or padded, whichever the cost model says is cheaper, and the logits
+    gathered back in packed order: same numbers, per sequence, as one packed row (tested).
+    `split=False` (data parallel: DDP wants one forward per backward, FSDP the same number
+    of all-gathers on every rank) keeps one call, packed or padded by the same cost model.
+    docs/benchmarks.md, per-step profile."""
     lens = mb.seq_lens.tolist()
-    if len(lens) > 1 and len(lens) * max(lens) ** 2 < sum(lens) ** 2:
-        return _hf_padded_logits(model, mb, lens, device)
-    return _hf_packed_logits(model, mb, device)
+    if len(lens) == 1:
+        return _hf_packed_logits(model, mb, device)
+    runs = _split_by_cost(lens, _cost_model(model), max_runs=None if split else 1)
+    if len(runs) == 1:
+        idx, padded = runs[0]
+        if len(idx) == len(lens):
+            return _hf_padded_logits(model, mb, lens, device) if padded else _hf_packed_logits(model, mb, device)
+    offs = mb.offsets().tolist()
+    parts: list[torch.Tensor] = []
+    order: list[torch.Tensor] = []
+    for idx, padded in runs:
+        sub = mb.select(idx)
+        parts.append(_hf_padded_logits(model, sub, [lens[i] for i in idx], device) if padded
+                     else _hf_packed_logits(model, sub, device))
+        order.append(torch.cat([torch.arange(offs[i], offs[i + 1]) for i in idx]))
+    logits = torch.cat(parts)
+    where = torch.empty(mb.num_tokens, dtype=torch.int64)
+    where[torch.cat(order)] = torch.arange(mb.num_tokens)
+    return logits[where.to(logits.device)]
+
+
+def _cost_model(model: Any) -> tuple[float, float]:
+    """(cost of one token through the linear layers, cost of one attention score pair), in
+    multiply-adds, from the model itself; cached on it."""
+    model = getattr(model, "module", model)  # under DDP, the model it wraps
+    cached = getattr(model, "_areal_cost_model", None)
+    if cached is not None:
+        return cached
+    linear = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)))
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", 0) or 0
+    layers = getattr(cfg, "num_hidden_layers", 0) or 0
+    pair = float(2 * hidden * layers) or 1.0  # Q·K and the weighted sum of V, every head
+    cost = (linear or pair, pair)
+    try:
+        model._areal_cost_model = cost
+    except AttributeError:  # a module that refuses attributes: recompute next time (cheap)
+        pass
+    return cost
+
+
+_CALL_TOKENS = 128
+"""What one more forward call costs, in tokens through the linear layers: the model's per-call
+overhead (Python, per-layer dispatch, the backward's bookkeeping) was ~18 ms forward and
+backward for the quickstart model on one core, ~116 tokens' worth. For a large model this
+overstates the overhead, which only makes the split more reluctant to cut."""
+
+
+def _split_by_cost(lens: list[int], cost: tuple[float, float], *,
+                   max_runs: int | None = None) -> list[tuple[list[int], bool]]:
+    """Cut the sequences, sorted by length, into consecutive runs minimising the modelled
+    cost (a call's overhead, tokens through the linear layers, attention score pairs), each
+    run padded (True) or packed (False): an exact dynamic programme over the sorted order
+    (n ≤ a few dozen per micro-batch, O(n²)). Measured on the quickstart model, one core:
+    0.155 ms per token and 0.12–0.3 µs per score pair forward and backward, a ratio of ~900
+    where the model's weights give 974."""
+    lin, pair = cost
+    call = _CALL_TOKENS * lin
+    order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
+    s = [lens[i] for i in order]
+    n = len(s)
+    if max_runs == 1:
+        tokens, width = sum(s), s[-1]
+        return [(list(range(n)), (lin * width + pair * width * width) * n < lin * tokens + pair * tokens * tokens)]
+    prefix = [0]
+    for x in s:
+        prefix.append(prefix[-1] + x)
+    best = [0.0] + [float("inf")] * n
+    cut: list[tuple[int, bool]] = [(0, False)] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # run = s[i:j]; its longest is s[j-1] (sorted)
+            tokens = prefix[j] - prefix[i]
+            packed = lin * tokens + pair * tokens * tokens
+            width = s[j - 1]
+            padded = (lin * width + pair * width * width) * (j - i)
+            c = best[i] + call + min(packed, padded)
+            if c < best[j]:
+                best[j], cut[j] = c, (i, padded < packed)
+    runs: list[tuple[list[int], bool]] = []
+    j = n
+    while j > 0:
+        i, padded = cut[j]
+        runs.append((sorted(order[i:j]), padded))
+        j = i
+    return runs[::-1]
 
 
 def _hf_padded_logits(model: Any, mb: TrainBatch, lens: list[int], device: torch.device) -> torch.Tensor:

@@ -159,6 +159,40 @@ def test_one_mini_batch_takes_prox_from_the_training_forward(tiny_model_dir, tra
     assert all(torch.allclose(w[n], w_ref[n], atol=1e-6) for n in w)
 
 
+def test_a_long_tail_is_split_from_the_short_sequences_with_the_same_logits(tiny_model_dir, trajs) -> None:
+    """One long answer among short ones (the long-tailed lengths of reasoning runs): padding
+    the short ones to its length would compute several times the tokens, so the micro-batch
+    runs as two calls, and every token's logits are those of one packed row, in order."""
+    from train_cluster.torch_engine import _cost_model, _hf_logits, _hf_packed_logits, _split_by_cost
+
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig())
+    short = trajs(n_groups=2, group_size=6, prompt_len=(10, 14), response_len=(20, 30), seed=3)
+    long = trajs(n_groups=1, group_size=1, prompt_len=(20, 20), response_len=(200, 200), seed=4)
+    batch = build_batch([*short[:5], *long, *short[5:]], LossConfig())  # the long one in the middle
+    lens = batch.seq_lens.tolist()
+    runs = _split_by_cost(lens, _cost_model(engine._model))
+    long_run = next(idx for idx, _ in runs if 5 in idx)
+    assert len(runs) >= 2 and len(long_run) <= 2, runs  # the short ones are not padded to the long one
+    assert sorted(i for idx, _ in runs for i in idx) == list(range(len(lens)))
+    with torch.no_grad():
+        split = _hf_logits(engine._model, batch, engine.device)
+        packed = _hf_packed_logits(engine._model, batch, engine.device)
+    torch.testing.assert_close(split, packed, atol=1e-4, rtol=1e-4)
+
+
+def test_the_split_keeps_even_lengths_in_one_padded_call() -> None:
+    """Lengths close to each other (the quickstart's): one padded call, as before the split
+    existed; a lone sequence is never padded; only long rows of many sequences pack."""
+    from train_cluster.torch_engine import _split_by_cost
+
+    cost = (1e6, 1024.0)  # the quickstart model's: ~974 score pairs cost one token
+    assert _split_by_cost([40, 55, 60, 47, 52, 38, 59, 44], cost) == [([0, 1, 2, 3, 4, 5, 6, 7], True)]
+    assert _split_by_cost([30, 250], cost) == [([0], True), ([1], True)] or \
+        _split_by_cost([30, 250], cost) == [([0, 1], False)]
+    runs = _split_by_cost([60] * 12 + [250], cost)
+    assert [idx for idx, _ in runs] == [list(range(12)), [12]]
+
+
 def test_padded_and_packed_forwards_give_the_same_logits(tiny_model_dir, trajs) -> None:
     """A micro-batch of several short sequences runs right-padded (causal attention, 10x less
     than one packed row's block-diagonal mask at the quickstart's shape): same numbers."""
