@@ -6,6 +6,7 @@ quickstart architecture, randomly initialised unless `--model` is given. Progres
 goes to the log; the last stdout line is one JSON object (bench/_record.py).
 
     python bench/train_step.py [--steps 5] [--threads 1] [--token-budget 1024] [--model DIR]
+    python bench/train_step.py --tail-cap 192 ...   # plus async_vs_sync's long tail per answer
     python bench/train_step.py --smoke   # 1 step of 8 short sequences, 2 mini-batches
 """
 
@@ -33,11 +34,15 @@ import _record  # noqa: E402
 logger = logging.getLogger("bench.train_step")
 
 
-def _trajectories(n: int, vocab: int, seed: int, lo: int = 64, hi: int = 128) -> list[Trajectory]:
+def _trajectories(n: int, vocab: int, seed: int, lo: int = 64, hi: int = 128, tail_cap: int = 0) -> list[Trajectory]:
+    """`n` sequences of lo–hi tokens; with `tail_cap`, each answer also gets the long-tailed
+    extra tokens of `bench/long_tail_loop.py` (Pareto, at most `tail_cap`), as in async_vs_sync."""
+    from long_tail_loop import tail_length
+
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        total = rng.randint(lo, hi)
+        total = rng.randint(lo, hi) + (tail_length(f"s{seed}-e{i}", cap=tail_cap) if tail_cap else 0)
         p = min(24, total - 8)
         r = total - p
         out.append(Trajectory(
@@ -61,9 +66,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per train step (quickstart: 4)")
     ap.add_argument("--lengths", default="64,128", help="sequence lengths drawn from LO,HI (quickstart: ~35,60)")
+    ap.add_argument("--tail-cap", type=int, default=0,
+                    help="add bench/long_tail_loop.py's long tail (at most this many tokens) to each answer")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print the N functions that took the most time over the timed steps (cProfile)")
-    args, rec = _record.parse(ap, __file__, smoke={"steps": 1, "batch": 8, "lengths": "16,32", "mini_batches": 2})
+    args, rec = _record.parse(ap, __file__, smoke={"steps": 1, "batch": 8, "lengths": "16,32", "mini_batches": 2,
+                                                          "tail_cap": 32})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     model = args.model
@@ -78,7 +86,8 @@ def main() -> None:
     lo, hi = (int(x) for x in args.lengths.split(","))
     engine = TorchTrainEngine(model, cfg)
     vocab = engine._module.config.vocab_size
-    batches = [build_batch(_trajectories(args.batch, vocab, s, lo, hi), cfg.loss) for s in range(args.steps + 1)]
+    batches = [build_batch(_trajectories(args.batch, vocab, s, lo, hi, args.tail_cap), cfg.loss)
+               for s in range(args.steps + 1)]
     engine.train_step(batches[0])  # warm-up (allocator, kernels)
     rates, times, prox = [], [], []
     prof = None
@@ -105,7 +114,8 @@ def main() -> None:
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
         print(out.getvalue(), file=sys.stderr)
     rec.finish({
-        "bench": "train_step", "mini_batches": args.mini_batches, "lengths": [lo, hi],
+        "bench": "train_step", "mini_batches": args.mini_batches, "lengths": [lo, hi], "tail_cap": args.tail_cap,
+        "max_len": max(max(b.seq_lens.tolist()) for b in batches[1:]),
         "prox_time_s": statistics.median(prox), "model_params": sum(p.numel() for p in engine._module.parameters()),
         "batch_seqs": args.batch, "mean_tokens_per_step": statistics.mean(b.num_tokens for b in batches[1:]),
         "threads": args.threads, "token_budget": args.token_budget, "steps": args.steps,
