@@ -373,6 +373,8 @@ def _cost_model(model: Any) -> tuple[float, float]:
     return cost
 
 
+_MAX_SPLIT_SEQS = 256
+"""Above this many sequences in one micro-batch the cut is not searched (O(n²) steps of Python)."""
 _CALL_TOKENS = 128
 """What one more forward call costs, in tokens through the linear layers: the model's per-call
 overhead (Python, per-layer dispatch, the backward's bookkeeping) was ~18 ms forward and
@@ -393,7 +395,7 @@ def _split_by_cost(lens: list[int], cost: tuple[float, float], *,
     order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
     s = [lens[i] for i in order]
     n = len(s)
-    if max_runs == 1:
+    if max_runs == 1 or n > _MAX_SPLIT_SEQS:  # one call (or too many sequences for O(n²) in Python)
         tokens, width = sum(s), s[-1]
         return [(list(range(n)), (lin * width + pair * width * width) * n < lin * tokens + pair * tokens * tokens)]
     prefix = [0]
