@@ -362,9 +362,10 @@ def _cost_model(model: Any) -> tuple[float, float]:
         return cached
     linear = float(sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)))
     cfg = getattr(model, "config", None)
-    hidden = getattr(cfg, "hidden_size", 0) or 0
-    layers = getattr(cfg, "num_hidden_layers", 0) or 0
-    pair = float(2 * hidden * layers) or 1.0  # Q·K and the weighted sum of V, every head
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or 0
+    # Q·K and the weighted sum of V, every head; unknown shapes: the ratio measured here (~1000)
+    pair = float(2 * hidden * layers) or max(linear / 1000.0, 1.0)
     cost = (linear or pair, pair)
     try:
         model._areal_cost_model = cost
