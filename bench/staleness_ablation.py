@@ -378,8 +378,10 @@ def main() -> None:
         if args.reuse and done_file.exists():  # finished earlier with the same settings
             return
         log.info("[%d/%d] %s η=%d %s seed %d ...", k, len(order), config_name(cfg), eta, mode, seed)
+        t = time.time()
         cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples), *args.sets], run_dir)
         done_file.write_text(json.dumps(cpu))
+        log.info("    done: %s η=%d %s seed %d in %.0f s", config_name(cfg), eta, mode, seed, time.time() - t)
 
     if args.jobs <= 1:
         for k, task in enumerate(order, 1):
