@@ -45,6 +45,42 @@ def test_sync_reward_runs_off_the_event_loop() -> None:
     assert loop_thread[0] != threading.get_ident()
 
 
+def test_reward_threads_are_reused_and_a_hung_reward_blocks_no_other() -> None:
+    """Many rewards run on a few reused threads; one that hangs past its timeout keeps its
+    own thread while the next rewards run at once on others."""
+    release = threading.Event()
+    local = threading.local()
+    fresh_threads: list[str] = []
+
+    def hangs(sample: dict[str, Any], output: Any) -> float:
+        release.wait(30)
+        return 0.0
+
+    def quick(sample: dict[str, Any], output: Any) -> float:
+        if not getattr(local, "seen", False):  # a thread's locals start empty
+            local.seen = True
+            fresh_threads.append(threading.current_thread().name)
+        return 1.0
+
+    async def main() -> list[float]:
+        with pytest.raises(RewardError, match="timeout"):
+            await compute_reward(hangs, SAMPLE, OUT, timeout_s=0.05)
+        out = []
+        for _ in range(40):  # one after another: an idle thread takes each
+            out.append((await compute_reward(quick, SAMPLE, OUT, timeout_s=5.0))[0])
+        out += [r for r, _ in await asyncio.gather(*(compute_reward(quick, SAMPLE, OUT, timeout_s=5.0)
+                                                     for _ in range(8)))]
+        return out
+
+    start = time.perf_counter()
+    try:
+        assert asyncio.run(main()) == [1.0] * 48
+    finally:
+        release.set()
+    assert time.perf_counter() - start < 10  # never waited for the hung reward
+    assert len(fresh_threads) <= 9  # reused, not one thread per reward (48)
+
+
 def test_async_and_dict_rewards() -> None:
     async def fn(sample: dict[str, Any], output: Any) -> dict[str, Any]:
         return {"reward": 1, "format_ok": True, "note": "ignored"}

@@ -113,6 +113,46 @@ def test_prefix_of_a_template_with_default_system_prompt_is_stripped(tokenizer: 
     assert chat.observation_ids(msgs) == ChatTemplate(tokenizer).observation_ids(msgs)
 
 
+def test_template_renders_are_cached_per_conversation_and_exact(tokenizer: Any) -> None:
+    """A group's samples share one prompt render; cached ids equal fresh ones, a caller
+    editing its list does not edit the cache, and a clock-reading template is never cached."""
+
+    class Counting:
+        eos_token_id = tokenizer.eos_token_id
+        chat_template = "{{ messages }}"
+
+        def __init__(self) -> None:
+            self.renders = 0
+
+        def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> Any:
+            self.renders += 1
+            return tokenizer.apply_chat_template(messages, **kw)
+
+    tools = [CalculatorTool("calculator").schema]
+    fresh = ChatTemplate(tokenizer)
+    fresh.cache_size = 0
+    counting = Counting()
+    chat = ChatTemplate(counting)
+    for _ in range(8):
+        ids = chat.prompt_ids(SAMPLE["prompt"], tools=tools)
+        assert ids == fresh.prompt_ids(SAMPLE["prompt"], tools=tools)
+        ids.append(-1)  # the caller's own copy
+    assert counting.renders == 1
+    other = [{"role": "user", "content": "9*9"}]
+    assert chat.prompt_ids(other, tools=tools) == fresh.prompt_ids(other, tools=tools)
+    assert chat.prompt_ids(SAMPLE["prompt"]) == fresh.prompt_ids(SAMPLE["prompt"])  # tools are in the key
+    assert counting.renders == 3
+    msgs = [{"role": "tool", "content": "5535", "name": "calculator"}]
+    assert chat.observation_ids(msgs) == chat.observation_ids(msgs) == fresh.observation_ids(msgs)
+
+    clock = Counting()
+    clock.chat_template = "{{ strftime_now('%d %b %Y') }}{{ messages }}"
+    dated = ChatTemplate(clock)
+    dated.prompt_ids(SAMPLE["prompt"])
+    dated.prompt_ids(SAMPLE["prompt"])
+    assert clock.renders == 2
+
+
 def test_max_assistant_turns_ends_without_a_tool_turn(tokenizer: Any) -> None:
     loop, server = make_loop(tokenizer, [call_text("1+1"), call_text("2+2"), "4"], max_assistant_turns=2)
     out = run(loop)
