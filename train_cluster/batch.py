@@ -204,8 +204,21 @@ def shard_batch(batch: TrainBatch, world_size: int) -> list[TrainBatch]:
     return [batch.select(idx) for idx in balanced_partition(batch.seq_lens.tolist(), world_size)]
 
 
-def split_mini_batches(batch: TrainBatch, n: int) -> list[TrainBatch]:
-    """`n` token-balanced optimizer mini-batches of one train step."""
+def split_mini_batches(batch: TrainBatch, n: int, by: str = "tokens") -> list[TrainBatch]:
+    """`n` optimizer mini-batches of one train step, token-balanced: sample by sample
+    (`by="tokens"`), or whole groups at a time (`by="groups"`, when there are at least `n`
+    groups; a group's samples then share one mini-batch, and so their prompt's forward)."""
     if batch.num_seqs < n:
         raise ValueError(f"split_mini_batches: {batch.num_seqs} sequences cannot make {n} mini-batches")
+    if by == "groups":
+        members: dict[str, list[int]] = {}
+        for i, g in enumerate(batch.group_ids):
+            members.setdefault(g, []).append(i)
+        if len(members) >= n:
+            lens = batch.seq_lens.tolist()
+            groups = list(members.values())
+            parts = balanced_partition([sum(lens[i] for i in g) for g in groups], n)
+            return [batch.select(sorted(i for k in part for i in groups[k])) for part in parts]
+    elif by != "tokens":
+        raise ValueError(f"split_mini_batches: by must be 'tokens' or 'groups', got {by!r}")
     return [batch.select(idx) for idx in balanced_partition(batch.seq_lens.tolist(), n)]

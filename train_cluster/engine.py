@@ -133,7 +133,7 @@ class TrainEngine(ABC):
             logger.warning("ABLATION step: naive PPO (pi_old = behaviour policy, no importance weight)")
         if loss_cfg.kl_coef > 0:
             batch = batch.with_(ref_logprobs=self._ref_logprobs(batch))
-        minis = split_mini_batches(batch, cfg.mini_batches)
+        minis = split_mini_batches(batch, cfg.mini_batches, cfg.mini_batch_split)
         # π_prox is the weights at the start of the step. The first mini-batch's training
         # forward runs exactly those weights: its detached logprobs are the proximal ones,
         # and a second forward would only cost time (docs/design.md §1). The later

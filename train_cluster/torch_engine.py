@@ -37,6 +37,7 @@ import torch.distributed as dist
 from areal_like.core.config import TorchBackendConfig, TrainConfig
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
+from train_cluster.shared_prefix import plan_calls, plan_cost, prefix_clusters, shared_logits
 
 __all__ = ["TorchTrainEngine", "init_train_group", "free_port", "check_device"]
 
@@ -328,13 +329,22 @@ def _hf_logits(model: Any, mb: TrainBatch, device: torch.device, *, split: bool 
     tokens. So the sequences, sorted by length, are cut into runs (`_split_by_cost`), each run
     computed packed or padded, whichever the cost model says is cheaper, and the logits
     gathered back in packed order: same numbers, per sequence, as one packed row (tested).
+    Samples of one group share their prompt: when the cost model says so, the micro-batch is
+    laid out with each common prefix computed once (train_cluster/shared_prefix.py).
     `split=False` (data parallel: DDP wants one forward per backward, FSDP the same number
     of all-gathers on every rank) keeps one call, packed or padded by the same cost model.
     docs/benchmarks.md, per-step profile."""
     lens = mb.seq_lens.tolist()
     if len(lens) == 1:
         return _hf_packed_logits(model, mb, device)
-    runs = _split_by_cost(lens, _cost_model(model), max_runs=None if split else 1)
+    cost = _cost_model(model)
+    runs = _split_by_cost(lens, cost, max_runs=None if split else 1)
+    clusters = prefix_clusters(mb)
+    if len(clusters) < len(lens):  # some sequences share a prompt: compute it once if cheaper
+        call = _CALL_TOKENS * cost[0]
+        calls = plan_calls(clusters, lens, cost, call, max_calls=None if split else 1)
+        if plan_cost(calls, lens, cost, call) < _runs_cost(runs, lens, cost, call):
+            return shared_logits(model, mb, calls, device)
     if len(runs) == 1:
         idx, padded = runs[0]
         if len(idx) == len(lens):
@@ -351,6 +361,21 @@ def _hf_logits(model: Any, mb: TrainBatch, device: torch.device, *, split: bool 
     where = torch.empty(mb.num_tokens, dtype=torch.int64)
     where[torch.cat(order)] = torch.arange(mb.num_tokens)
     return logits[where.to(logits.device)]
+
+
+def _runs_cost(runs: list[tuple[list[int], bool]], lens: list[int], cost: tuple[float, float],
+               call: float) -> float:
+    """The modelled cost of `_split_by_cost`'s runs (the same terms it minimises)."""
+    lin, pair = cost
+    total = 0.0
+    for idx, padded in runs:
+        if padded:
+            w = max(lens[i] for i in idx)
+            total += call + (lin * w + pair * w * w) * len(idx)
+        else:
+            t = sum(lens[i] for i in idx)
+            total += call + lin * t + pair * t * t
+    return total
 
 
 def _cost_model(model: Any) -> tuple[float, float]:

@@ -395,6 +395,12 @@ class TrainConfig(_Section):
     """Linear warmup steps."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer mini-batches per train step (the version still advances by 1)."""
+    mini_batch_split: Literal["tokens", "groups"] = "tokens"
+    """How a step's samples are dealt to its mini-batches: `tokens`, sample by sample to equal
+    token counts (a group's samples spread over the mini-batches); `groups`, whole groups (as
+    verl's prompt-counted mini-batches), so each group's shared prompt is computed once for
+    all its samples (docs/design.md §10.29). Falls back to `tokens` with fewer groups than
+    mini-batches."""
     token_budget: int = Field(8192, ge=16)
     """Tokens per packed micro-batch (gradient accumulation over micro-batches)."""
     backend: TrainBackendConfig = Field(default_factory=TorchBackendConfig)

@@ -21,11 +21,14 @@ def make_trajectories(
     response_len: tuple[int, int] = (2, 10),
     temperature: float = 1.0,
     logprob: float = -2.0,
+    shared_prompt: bool = False,
 ) -> list[Trajectory]:
-    """Trajectories with random tokens, a tool-token gap in some responses and distinct rewards."""
+    """Trajectories with random tokens, a tool-token gap in some responses and distinct rewards
+    (`shared_prompt`: a group's samples start with one prompt, as GRPO's do)."""
     rng = random.Random(seed)
     out = []
     for g in range(n_groups):
+        group_prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(*prompt_len))]
         for k in range(group_size):
             p = rng.randint(*prompt_len)
             r = rng.randint(*response_len)
@@ -36,7 +39,7 @@ def make_trajectories(
                 Trajectory(
                     episode_id=f"e{g}-{k}",
                     group_id=f"g{g}",
-                    prompt_ids=[rng.randrange(4, vocab) for _ in range(p)],
+                    prompt_ids=list(group_prompt) if shared_prompt else [rng.randrange(4, vocab) for _ in range(p)],
                     response_ids=[rng.randrange(4, vocab) for _ in range(r)],
                     response_mask=mask,
                     response_logprobs=[logprob + 0.1 * rng.random() if m else 0.0 for m in mask],

@@ -69,6 +69,24 @@ def test_balanced_partition_and_shards(trajs) -> None:
         shard_batch(b, 9)
 
 
+def test_mini_batches_by_groups_keep_each_group_whole(trajs) -> None:
+    """`mini_batch_split: groups` deals whole groups (token-balanced) to the mini-batches,
+    every sample once; with fewer groups than mini-batches it deals samples, as `tokens`."""
+    b = build_batch(trajs(n_groups=8, group_size=4, seed=2), LossConfig())
+    minis = split_mini_batches(b, 4, "groups")
+    assert len(minis) == 4
+    assert sorted(e for m in minis for e in m.input_ids.tolist()) == sorted(b.input_ids.tolist())
+    seen = [set(m.group_ids) for m in minis]
+    assert all(len(s) == 2 for s in seen) and not set.intersection(*seen)
+    assert all(m.group_ids.count(g) == 4 for m in minis for g in set(m.group_ids))
+    spread = split_mini_batches(b, 4)  # tokens: a group's samples land in several mini-batches
+    assert any(len(set(m.group_ids)) > 2 for m in spread)
+    few = build_batch(trajs(n_groups=2, group_size=4), LossConfig())
+    assert [m.num_seqs for m in split_mini_batches(few, 4, "groups")] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="by must be"):
+        split_mini_batches(b, 2, "prompts")
+
+
 def test_packed_logprobs_equal_unpacked(tiny_model_dir, trajs) -> None:
     from train_cluster.torch_engine import TorchTrainEngine
 

@@ -207,3 +207,45 @@ def test_padded_and_packed_forwards_give_the_same_logits(tiny_model_dir, trajs) 
         packed = _hf_packed_logits(engine._model, batch, engine.device)
     assert padded.shape == packed.shape == (batch.num_tokens, packed.shape[-1])
     torch.testing.assert_close(padded, packed, atol=1e-4, rtol=1e-4)
+
+
+def test_a_groups_shared_prompt_is_computed_once_with_the_same_logits_and_gradients(
+        tiny_model_dir, trajs, monkeypatch) -> None:
+    """GRPO samples of one group start with the same prompt: the forward computes it once
+    (fewer tokens go through the model) and every token's logits, and a whole train step's
+    weights, are what the plain layout gives."""
+    from train_cluster import torch_engine
+    from train_cluster.shared_prefix import Cluster, prefix_clusters
+
+    groups = trajs(n_groups=3, group_size=4, prompt_len=(20, 30), response_len=(4, 9), seed=5,
+                   shared_prompt=True)
+    lone = [t.model_copy(update={"group_id": "lone"}) for t in
+            trajs(n_groups=1, group_size=1, prompt_len=(12, 12), response_len=(6, 6), seed=6)]
+    stray = groups[4].model_copy(update={"episode_id": "stray", "group_id": "g0",  # a member sharing nothing
+                                         "prompt_ids": [3] + groups[4].prompt_ids})
+    copy = groups[0].model_copy(update={"episode_id": "dup"})  # a sample identical to another
+    batch = build_batch([*groups, *lone, copy, stray], LossConfig())
+    clusters = prefix_clusters(batch)
+    assert sorted(len(c.members) for c in clusters) == [1, 1, 4, 4, 5]
+    assert all(c.prefix >= 20 for c in clusters if len(c.members) > 1)
+
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig(mini_batches=1, token_budget=4096))
+    fed: list[int] = []
+    real_forward = type(engine._model).forward
+    monkeypatch.setattr(type(engine._model), "forward",
+                        lambda self, input_ids=None, **kw: fed.append(input_ids.numel()) or
+                        real_forward(self, input_ids=input_ids, **kw))
+    with torch.no_grad():
+        shared = torch_engine._hf_logits(engine._model, batch, engine.device)
+        assert 0 < sum(fed) < batch.num_tokens * 0.6  # the prompts went through once per group
+        packed = torch_engine._hf_packed_logits(engine._model, batch, engine.device)
+    torch.testing.assert_close(shared, packed, atol=1e-4, rtol=1e-4)
+
+    ref = TorchTrainEngine(tiny_model_dir, TrainConfig(mini_batches=1, token_budget=4096))
+    stats = engine.train_step(batch)
+    monkeypatch.setattr(torch_engine, "prefix_clusters",
+                        lambda mb: [Cluster((i,), 0) for i in range(mb.num_seqs)])
+    ref_stats = ref.train_step(batch)
+    assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-5)
+    w, w_ref = dict(engine.named_weights()), dict(ref.named_weights())
+    assert all(torch.allclose(w[n], w_ref[n], atol=1e-5) for n in w)
