@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from areal_like.core.config import TorchBackendConfig, TrainConfig
+from areal_like.models.lite import load_causal_lm
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
 from train_cluster.shared_prefix import plan_calls, plan_cost, prefix_clusters, shared_logits
@@ -112,11 +113,9 @@ class TorchTrainEngine(TrainEngine):
         torch.manual_seed(seed)
         self.seed = seed
 
-        from transformers import AutoModelForCausalLM
-
         self.dtype = _DTYPES[dtype]
         # fp32 master weights; bf16 compute comes from autocast (`_autocast`)
-        module = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(self.device)
+        module = load_causal_lm(model_path, torch.float32, backend.model_impl).to(self.device)
         module.config.use_cache = False
         self._module = module
         self._model: Any = module
@@ -146,7 +145,7 @@ class TorchTrainEngine(TrainEngine):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self._ref: Any = None
         if train_cfg.loss.kl_coef > 0:
-            self._ref = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[dtype]).to(self.device)
+            self._ref = load_causal_lm(model_path, _DTYPES[dtype], backend.model_impl).to(self.device)
             self._ref.eval().requires_grad_(False)
         logger.info("TorchTrainEngine rank %d/%d on %s (%s, %s, %d threads)", self.rank, self.world_size,
                     self.device, backend.strategy if self.world_size > 1 else "single", dtype, backend.threads)

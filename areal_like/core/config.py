@@ -162,6 +162,9 @@ class DatasetConfig(_Section):
 
 class EmbeddedEngineConfig(_Section):
     type: Literal["embedded"] = "embedded"
+    model_impl: Literal["auto", "hf"] = "auto"
+    """Where the weights are loaded into: as `train.backend.model_impl` (the engine computes
+    the decoder itself either way)."""
     max_batch_size: int = Field(64, ge=1)
     """Most sequences decoded together in one step (continuous batching)."""
     max_seq_len: int = Field(512, ge=8)
@@ -344,6 +347,10 @@ class LossConfig(_Section):
 
 class TorchBackendConfig(_Section):
     type: Literal["torch"] = "torch"
+    model_impl: Literal["auto", "hf"] = "auto"
+    """`auto`: our own Qwen2/Llama module (`areal_like/models/lite.py`, no import of
+    transformers' model classes, ~2-3 s of start-up) where it reproduces the checkpoint, HF's
+    class otherwise; `hf`: always transformers' `AutoModelForCausalLM`."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """Data parallel strategy across train workers."""
     world_size: int = Field(1, ge=1)

@@ -1,6 +1,6 @@
 """The local launcher's zygote, started before the command has read its config.
 
-The zygote's imports (torch, transformers: about 4 s on 2 cores) are what the first
+The zygote's imports (torch, transformers' tokenizers: about 3 s on 2 cores) are what the first
 train step waits for longest (docs/benchmarks.md, start-up), so every fraction of a
 second before they begin is on that path. `areal-like run|train|rollout` calls
 `prestart()` first thing, before typer, pydantic and numpy are imported (0.3-0.5 s);
@@ -19,14 +19,18 @@ import sys
 __all__ = ["PRELOAD", "adopt", "discard", "popen", "prestart"]
 
 PRELOAD = (
-    "torch", "transformers", "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
-    "torch.optim", "safetensors.torch", "zmq", "msgpack", "pydantic", "tokenizers",
+    "torch", "transformers", "transformers.tokenization_utils_tokenizers",
+    "transformers.models.auto.tokenization_auto", "transformers.utils.chat_template_utils",
+    "areal_like.models.lite", "torch.optim", "safetensors.torch", "zmq", "msgpack", "pydantic", "tokenizers",
     "areal_like.core.config", "areal_like.core.types", "areal_like.orchestration.rollout_side",
     "rollout_cluster.server_actor", "rollout_cluster.server", "rollout_cluster.engine.embedded",
     "rollout_cluster.agent_loop.runner", "train_cluster.worker_group", "train_cluster.torch_engine",
     "weight_sync",
 )
-"""Imported by the zygote before it forks anything: what every actor would import."""
+"""Imported by the zygote before it forks anything: what every actor would import. Not
+`transformers.modeling_utils` (2-3 s, every HF model class stands on it): the quickstart's
+model loads as `areal_like.models.lite.LiteCausalLM`; an actor that needs an HF class (another
+architecture, `model_impl: hf`) imports it itself."""
 
 COMMANDS = ("run", "train", "rollout")
 """The CLI's commands that open a launcher (the others never start a zygote)."""

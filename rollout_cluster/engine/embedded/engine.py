@@ -72,7 +72,8 @@ class EmbeddedEngine(Engine):
         self.interrupt_mode: InterruptMode = interrupt_mode
         self.device = torch.device(self.config.device)
         self.max_seq_len = self.config.max_seq_len
-        self.runner = ModelRunner(model, max_seq_len=self.max_seq_len, device=self.device, dtype=dtype)
+        self.runner = ModelRunner(model, max_seq_len=self.max_seq_len, device=self.device, dtype=dtype,
+                                  model_impl=self.config.model_impl)
         self.vocab_size = self.runner.vocab_size
         if eos_token_ids is None:
             eos_token_ids = self.runner.eos_token_ids()

@@ -55,13 +55,13 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACT2FN[name]
 
 
-def _load_model(model: str | Path | torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def _load_model(model: str | Path | torch.nn.Module, dtype: torch.dtype, impl: str = "auto") -> torch.nn.Module:
     if isinstance(model, torch.nn.Module):
         m = model
     else:
-        from transformers import AutoModelForCausalLM
+        from areal_like.models.lite import load_causal_lm
 
-        m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        m = load_causal_lm(model, dtype, impl)
     m = m.to(dtype).eval()
     for p in m.parameters():
         p.requires_grad_(False)
@@ -88,11 +88,12 @@ class ModelRunner:
     """An HF causal LM (one of `SUPPORTED_MODEL_TYPES`), run by our own decoder loop."""
 
     def __init__(
-        self, model: str | Path | torch.nn.Module, *, max_seq_len: int, device: torch.device, dtype: torch.dtype
+        self, model: str | Path | torch.nn.Module, *, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+        model_impl: str = "auto",
     ) -> None:
         self.device = device
         self.dtype = dtype
-        self.model = _load_model(model, dtype).to(device)
+        self.model = _load_model(model, dtype, model_impl).to(device)
         hf = self.model.config
         model_type = getattr(hf, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
