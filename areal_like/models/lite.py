@@ -23,7 +23,9 @@ It returns an object with `.logits` [B, T, V].
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -239,7 +241,7 @@ class LiteCausalLM(nn.Module):
         if why is not None:
             raise ValueError(f"LiteCausalLM does not implement {path}: {why}")
         gen = path / "generation_config.json"
-        with torch.device("meta"):
+        with _no_init():
             model = cls(cfg)
         state: dict[str, torch.Tensor] = {}
         for f in sorted(path.glob("*.safetensors")):
@@ -248,7 +250,6 @@ class LiteCausalLM(nn.Module):
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
         if getattr(cfg, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        model = model.to_empty(device="cpu")
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False))]
         if missing or unexpected:
@@ -256,10 +257,21 @@ class LiteCausalLM(nn.Module):
                              f"{missing[:5]}, unexpected {unexpected[:5]}")
         if getattr(cfg, "tie_word_embeddings", False):
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.rotary_emb.inv_freq = _Rotary(cfg).inv_freq  # a buffer to_empty left unset
         if gen.exists():
             model.generation_config = SimpleNamespace(**json.loads(gen.read_text()))
         return model.to(dtype)
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Layers built without their random init (the checkpoint overwrites every weight). Not
+    the meta device: building there runs torch's decompositions, which import sympy (3 s)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, impl: str = "auto") -> nn.Module:
