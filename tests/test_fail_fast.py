@@ -61,6 +61,30 @@ def test_every_episode_of_the_first_groups_failing_trips_with_the_first_error() 
     assert "first 3 groups" in e.reason and "Traceback" in e.first.traceback and "_fail" in e.first.traceback
 
 
+def test_the_console_waits_for_the_fail_fast_verdict_before_saying_the_run_goes_on() -> None:
+    """While every episode so far failed and the first groups are still ending, the
+    periodic 'N episodes failed so far ... the run goes on' line would contradict the
+    fail-fast stop about to come: the report says the verdict is pending, and the line
+    waits; after a success (the rule is disarmed) it is said."""
+    from areal_like.core.types import EpisodeOutcomes, RolloutStats
+    from areal_like.orchestration.watch import FailureNotes
+
+    def stats(ff: FailFast) -> RolloutStats:
+        return RolloutStats(time=0.0, loaded_version=0, started=12, running=0,
+                            outcomes=EpisodeOutcomes(failed=ff.failed, sent=ff.succeeded), failures=ff.report())
+
+    ff = FailFast(fail_fast_groups=4, max_failure_ratio=1.0, window=1000)
+    for _ in range(3):
+        for _ in range(4):
+            ff.episode(_fail("q"))
+        ff.group(4, 4)
+    assert ff.report().judging and FailureNotes().report(stats(ff)) is None
+    ff.episode(None)
+    ff.group(3, 4)
+    assert not ff.report().judging
+    assert "episodes failed so far" in FailureNotes().report(stats(ff))
+
+
 def test_one_success_in_the_first_groups_disarms_that_rule() -> None:
     ff = FailFast(fail_fast_groups=2, max_failure_ratio=1.0, window=1000)
     ff.episode(None)

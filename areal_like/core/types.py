@@ -455,6 +455,10 @@ class EpisodeFailures(_Strict):
     """The first error's traceback (the user's frames, then ours), bounded."""
     stopped: str | None = None
     """Why the rollout side stopped because of them (fail-fast), or None while it goes on."""
+    judging: bool = False
+    """Every episode so far failed and the first `agent.fail_fast_groups` groups have not
+    all ended: the fail-fast verdict is still to come, so the console does not yet say
+    that the run goes on."""
 
 
 class RolloutStats(_Strict):

@@ -192,8 +192,10 @@ class FailFast:
         """What the trainer's console says of failures (`RolloutStats.failures`)."""
         if self.first is None:
             return None
+        judging = self.succeeded == 0 and not self._early_success and self._groups_seen < self.fail_fast_groups
         return EpisodeFailures(first=self.first.headline, traceback=self.first.user_traceback[-4000:],
-                               stopped=self.tripped.reason if self.tripped is not None else None)
+                               stopped=self.tripped.reason if self.tripped is not None else None,
+                               judging=judging)
 
     def raise_if_tripped(self) -> None:
         if self.tripped is not None:

@@ -102,7 +102,7 @@ class FailureNotes:
     def report(self, stats: RolloutStats) -> str | None:
         f: EpisodeFailures | None = stats.failures
         failed = stats.outcomes.failed
-        if f is None or failed == 0 or f.stopped:
+        if f is None or failed == 0 or f.stopped or f.judging:  # judging: fail-fast speaks first
             return None
         now = self.clock()
         if self._said is not None and (now - self._said[0] < self.every_s or failed == self._said[1]):
