@@ -456,7 +456,7 @@ def median_step_s(ckpts: list[dict[str, Any]], upto: int | None, warmup: int = 3
     last = len(ckpts) - 1 if upto is None else upto
     first = warmup if last - warmup >= 2 else 0
     times = [c["time"] for c in ckpts[first:last + 1]]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return statistics.median(gaps) if gaps else None
 
 

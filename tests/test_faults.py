@@ -75,7 +75,7 @@ class Launch:
         self.p = subprocess.Popen([*CLI, *args], cwd=ROOT, env=env, start_new_session=True,
                                   stdout=self._out, stderr=subprocess.STDOUT, text=True)
 
-    def wait(self, timeout: float = 400, also: tuple["Launch", ...] = ()) -> tuple[int, str]:
+    def wait(self, timeout: float = 400, also: tuple[Launch, ...] = ()) -> tuple[int, str]:
         """The exit code and output; past `timeout` the test fails with this launch's thread
         stacks and the output of the launches in `also` (the peers it may wait on)."""
         try:

@@ -9,7 +9,7 @@ would get alone; the prefix's logits are shared by index, so in the backward pas
 prefix collects the gradients of all its tails (what separate copies would sum to).
 
 On the quickstart (8 samples per group, prompts ~28 tokens, answers ~11), a mini-batch
-holding two samples of each group computes ~40 % fewer tokens, and one holding whole
+holding two samples of each group computes ~35 % fewer tokens, and one holding whole
 groups ~2.6x fewer. `train_cluster/torch_engine.py:_hf_logits` lays a micro-batch out
 this way when the cost model says it is cheaper than the plain packed/padded calls
 (docs/design.md §10.29). The mask is dense (one row, T² entries), so clusters are cut
@@ -75,7 +75,7 @@ def plan_calls(clusters: list[Cluster], lens: list[int], cost: tuple[float, floa
                max_calls: int | None = None) -> list[list[Cluster]]:
     """Clusters into forward calls, largest first: a cluster joins the current call while
     the attention it adds to it (2·T·u score pairs) costs less than a call of its own."""
-    lin, pair = cost
+    _, pair = cost
     calls: list[list[Cluster]] = []
     width = 0
     for c in sorted(clusters, key=lambda c: -c.tokens(lens)):
