@@ -35,7 +35,7 @@ BENCH_KEYS = {
     "async_vs_sync.py": {"fraction_of_overlap_ideal", "samples_per_s_non_decreasing", "speedup_by_eta",
                          "overlap_ideal", "two_pool_ideal"},
     # the long-tailed step the length-cut forward is measured on (docs/benchmarks.md, per-step profile)
-    "train_step.py": {"step_time_s", "tail_cap", "max_len"},
+    "train_step.py": {"step_time_s", "tail_cap", "max_len", "shared_prompts", "mini_batch_split"},
     # #34: the paired test per η
     "staleness_ablation.py": {"paired", "paired_diff", "table"},
 }

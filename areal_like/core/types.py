@@ -18,31 +18,11 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
-    "SamplingParams",
-    "GenerateRequest",
-    "GenerateResult",
-    "StopReason",
-    "AgentLoopOutput",
-    "LoopExtra",
-    "Trajectory",
-    "TrajectoryGroup",
-    "RolloutStats",
-    "EpisodeFailures",
-    "Origin",
-    "GateSnapshot",
-    "EpisodeOutcomes",
-    "RolloutCounters",
-    "RolloutSeconds",
-    "ServerPoolCounters",
-    "ServerCounters",
-    "EvalResult",
-    "VersionAnnouncement",
-    "GateCounts",
-    "TrainerId",
-    "Goodbye",
-    "WeightUpdateMeta",
-    "TensorMeta",
-    "head_version",
+    "SamplingParams", "GenerateRequest", "GenerateResult", "StopReason", "AgentLoopOutput",
+    "LoopExtra", "Trajectory", "TrajectoryGroup", "RolloutStats", "EpisodeFailures", "Origin",
+    "GateSnapshot", "EpisodeOutcomes", "RolloutCounters", "RolloutSeconds", "ServerPoolCounters",
+    "ServerCounters", "EvalResult", "VersionAnnouncement", "GateCounts", "TrainerId", "Goodbye",
+    "WeightUpdateMeta", "TensorMeta", "head_version",
 ]
 
 StopReason = Literal["stop", "length", "abort"]
@@ -454,11 +434,9 @@ class EpisodeFailures(_Strict):
     traceback: str = ""
     """The first error's traceback (the user's frames, then ours), bounded."""
     stopped: str | None = None
-    """Why the rollout side stopped because of them (fail-fast), or None while it goes on."""
+    """Why the rollout side stopped because of them (fail-fast), or None while it goes on;
+    `judging`: no episode succeeded yet and fail-fast's first groups have not all ended."""
     judging: bool = False
-    """Every episode so far failed and the first `agent.fail_fast_groups` groups have not
-    all ended: the fail-fast verdict is still to come, so the console does not yet say
-    that the run goes on."""
 
 
 class RolloutStats(_Strict):
