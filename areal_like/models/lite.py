@@ -191,11 +191,8 @@ def _mask(input_ids: torch.Tensor, position_ids: torch.Tensor | None,
     b, t = input_ids.shape
     dev = input_ids.device
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    if position_ids is None:
-        if attention_mask is not None and attention_mask.dim() == 2:  # left padding: count real tokens
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        else:
-            position_ids = torch.arange(t, device=dev).expand(b, t)
+    if position_ids is None:  # as transformers: 0..T-1 in every row, padding or not
+        position_ids = torch.arange(t, device=dev).expand(b, t)
     if attention_mask is not None:
         if attention_mask.dim() == 4:
             return position_ids, attention_mask.to(torch.bool)

@@ -50,6 +50,7 @@ def test_lite_logits_and_gradients_equal_transformers(which: str, tmp_path: Path
     a = torch.arange(ids.shape[1])
     shared = (a[None, :] <= a[:, None]) & ((a[None, :] < 5) | ((a[:, None] >= 5) == (a[None, :] >= 5)))
     pad = torch.ones(2, 15, dtype=torch.long)
+    pad[1, 12:] = 0  # right padding
     cases = [
         {"input_ids": ids},  # causal
         x,  # packed: position ids restart
