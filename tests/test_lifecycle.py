@@ -62,7 +62,10 @@ class Harness:
             apply_weights=fake.apply_weights, loaded_version=0, seed=seed, stats_every_s=0.1,
         )
 
-    def start(self, ctl: RolloutController, *, vanish_after_s: float | None = None) -> dict:
+    def start(self, ctl: RolloutController, *, vanish_when=None) -> dict:  # noqa: ANN001
+        """Run `ctl` on its own thread; with `vanish_when`, kill it without a word once
+        that returns true (polled on the controller's own loop, so nothing of it runs
+        between the check and the kill)."""
         out: dict = {}
 
         def main() -> None:
@@ -72,9 +75,12 @@ class Harness:
                 ctl.outbox.transport = make_sender(pusher)
                 task = asyncio.create_task(drive_rollout(ctl, sub, peer_timeout_s=60, peer_dead_s=5))
                 try:
-                    if vanish_after_s is not None:  # killed without a word: no final report
-                        await asyncio.sleep(vanish_after_s)
+                    if vanish_when is not None:  # killed without a word: no final report
+                        deadline = time.time() + 60
+                        while not vanish_when() and not task.done() and time.time() < deadline:
+                            await asyncio.sleep(0.01)
                         task.cancel()
+                        out["vanished_at"] = time.time()
                         ctl.outbox.transport = _silent
                     await task
                 except RolloutRefused as e:
@@ -185,9 +191,17 @@ def test_a_refused_rollout_controller_never_touches_the_weight_group(tmp_path) -
 
 def test_a_vanished_rollout_side_is_declared_lost_and_a_new_one_finishes_the_run(tmp_path, caplog) -> None:
     h = Harness(tmp_path, 30)
-    gone = h.start(h.controller(0), vanish_after_s=0.3)
+    def undelivered() -> int:  # what the trainer knows the first one started and has not received
+        s = list(h.tc.peers.senders.values())
+        return s[0].started - s[0].delivered if s else 0
+
+    # it vanishes once the trainer knows of a group's worth it started and never delivered
+    # (not after a fixed time: on a loaded machine it may not have reported a start by then)
+    gone = h.start(h.controller(0), vanish_when=lambda: undelivered() >= 4)
 
     def later() -> None:
+        while undelivered() < 4:
+            time.sleep(0.05)
         time.sleep(3.0)  # past peer_dead_s=1: the trainer has declared the first one lost
         h.start(h.controller(1))
 
@@ -229,11 +243,11 @@ def test_a_weight_wait_does_not_delay_declaring_a_dead_rollout_side_lost(tmp_pat
     after 78 s. The sender is then told to stop waiting, and a new side finishes the run."""
     h = Harness(tmp_path, 30)
     h.tc.weights = weights = _StuckWeights()
-    vanished_at = time.time() + 1.0
-    h.start(h.controller(0), vanish_after_s=1.0)
+    until = time.time() + 1.0
+    gone = h.start(h.controller(0), vanish_when=lambda: time.time() >= until)
 
     def later() -> None:
-        while weights.stuck and time.time() < vanished_at + 60:
+        while weights.stuck and time.time() < until + 60:
             time.sleep(0.1)
         h.start(h.controller(1))
 
@@ -242,7 +256,7 @@ def test_a_weight_wait_does_not_delay_declaring_a_dead_rollout_side_lost(tmp_pat
         summary, recs = h.finish()
     lost = [r for r in caplog.records if "declared lost" in r.getMessage()]
     assert lost and weights.forgotten_at is not None, caplog.text[-3000:]
-    assert lost[0].created - vanished_at < 1.0 + 5.0, lost[0].created - vanished_at
+    assert lost[0].created - gone["vanished_at"] < 1.0 + 5.0, lost[0].created - gone["vanished_at"]
     assert h.trainer.version == 30 and _adds_up(summary) and recs[-1]["counts_add_up"], summary
 
 
