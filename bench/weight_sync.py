@@ -1,25 +1,30 @@
 """Weight-sync throughput: the dist transport against a raw gloo broadcast of the same bytes.
 
-Run: `python bench/weight_sync.py [--receivers 1] [--bucket-mb 64] [--reps 10] [--smoke]`
+Run: `python bench/weight_sync.py [--receivers 1] [--bucket-mb 64] [--reps 10] [--lanes both] [--smoke]`
 (`--smoke`: one rep, and a 1-layer, 128-wide model in place of the 100M one).
 
 For the quickstart model and a ~100M-parameter Qwen2-like layout (random tensors),
 the trainer side (this process) sends versions through `DistWeightSender`; receiver
 processes get each meta as wire bytes (as the control channel carries it) and call
-`DistWeightReceiver.receive`. The baseline is one `broadcast` of a preallocated flat
-buffer of the same size over a gloo group between the same processes: the best
-this machine's gloo can do, with no layout, bucketing, checksum or commit.
+`DistWeightReceiver.receive`. Two lanes, one sender each, interleaved per rep: `shm`,
+what receivers on the trainer's host get (they read the sender's shared-memory staging
+file, `weight_sync/shm.py`), and `gloo`, the bucketed broadcast that receivers on other
+hosts get. The baseline is one `broadcast` of a preallocated flat buffer of the same
+size over a gloo group between the same processes: the best this machine's gloo can
+do, with no layout, bucketing, checksum or commit.
 
-Reported per model: `bytes`; medians over reps of `send_s`, the trainer's blocking
-part (snapshot into the staging buffer + checksum), `transfer_s`, the receiver's time
-from the group being ready to verified weights (header, buckets, digests, commit vote),
-`rendezvous_s`, waiting for the sender's plan, `end_to_end_s`, `send_s` plus the
-receiver's whole `receive`, and `raw_broadcast_s`; GB/s from the medians and from the
-best reps. `ratio_to_raw_broadcast` is the median over reps of raw_broadcast_s / transfer_s,
-the two measured back to back so that both see the same load from other jobs on a
-shared box (target ≥ 0.7); the ratio of medians and the ratio of best reps are
-reported too. The top-level `ratio_to_raw_broadcast` is the 100M model's. Progress goes to stderr,
-the last line of stdout is one JSON object (bench/_record.py).
+Reported per model, for the default lane at the top and the other under `gloo_lane`:
+`bytes`; medians over reps of `send_s`, the trainer's blocking part (snapshot into the
+staging buffer + checksum), `transfer_s`, the receiver's time from the group being
+ready to verified weights (header, bytes, digests, commit vote), `rendezvous_s`,
+waiting for the sender's plan, `end_to_end_s`, `send_s` plus the receiver's whole
+`receive`, and `raw_broadcast_s`; GB/s from the medians and from the best reps.
+`ratio_to_raw_broadcast` is the median over reps of raw_broadcast_s / transfer_s, the
+two measured back to back so that both see the same load from other jobs on a shared
+box; the ratio of medians and the ratio of best reps are reported too. The top-level
+`ratio_to_raw_broadcast` is the 100M model's on the default lane,
+`broadcast_lane_ratio_to_raw_broadcast` the same on the broadcast. Progress goes to
+stderr, the last line of stdout is one JSON object (bench/_record.py).
 
 A receiver that fails (an import, the rendezvous, a transfer) fails this process within a
 second with the receiver's traceback, instead of leaving it in a rendezvous until timeout.
@@ -111,11 +116,11 @@ def _timed_raw_broadcast(group: Any, buf: torch.Tensor) -> float:
 
 
 def receiver_main(
-    rid: str, rank: int, size: int, store_addr: str, raw_port: int, inbox: Any, outbox: Any, errbox: Any
+    rid: str, rank: int, size: int, store_addrs: dict[str, str], raw_port: int, inbox: Any, outbox: Any, errbox: Any
 ) -> None:
     """A receiver process; its error, if any, goes to `errbox` before it exits non-zero."""
     try:
-        _receiver(rid, rank, size, store_addr, raw_port, inbox, outbox)
+        _receiver(rid, rank, size, store_addrs, raw_port, inbox, outbox)
     except BaseException:
         errbox.put((rid, traceback.format_exc()))
         errbox.close()
@@ -123,8 +128,10 @@ def receiver_main(
         raise
 
 
-def _receiver(rid: str, rank: int, size: int, store_addr: str, raw_port: int, inbox: Any, outbox: Any) -> None:
-    """Answers each wire-encoded meta with its timings."""
+def _receiver(
+    rid: str, rank: int, size: int, store_addrs: dict[str, str], raw_port: int, inbox: Any, outbox: Any
+) -> None:
+    """Answers each wire-encoded meta with its timings; one receiver per lane (sender)."""
     torch.set_num_threads(1)
     from areal_like.core import wire
     from areal_like.core.config import DistWeightSyncConfig
@@ -133,8 +140,11 @@ def _receiver(rid: str, rank: int, size: int, store_addr: str, raw_port: int, in
 
     if os.environ.get(FAIL_ENV):  # tests/test_bench_smoke.py: a receiver that fails before the rendezvous
         raise RuntimeError(f"injected receiver failure ({FAIL_ENV} is set)")
-    receiver = DistWeightReceiver(DistWeightSyncConfig(type="dist", timeout_s=120), rid)
-    receiver.connect(store_addr)
+    receivers = {lane: DistWeightReceiver(DistWeightSyncConfig(type="dist", timeout_s=120,
+                                                               shared_memory=lane == "shm"), rid)
+                 for lane in store_addrs}
+    for lane, addr in store_addrs.items():
+        receivers[lane].connect(addr)
     raw_store = dist.TCPStore("127.0.0.1", raw_port, None, False, timeout=datetime.timedelta(seconds=120))
     raw_group = _raw_group(raw_store, rank, size, 120)
     buffers: dict[int, torch.Tensor] = {}
@@ -147,13 +157,15 @@ def _receiver(rid: str, rank: int, size: int, store_addr: str, raw_port: int, in
             buf = buffers.setdefault(payload, torch.empty(payload, dtype=torch.uint8))
             outbox.put({"id": rid, "seconds": _timed_raw_broadcast(raw_group, buf)})
             continue
+        receiver = receivers[kind]
         meta = wire.decode(payload, expect=WeightUpdateMeta)
         version, named = receiver.receive(meta)
         n = sum(1 for _ in named)
         stats = receiver.last_transfer
-        assert stats is not None and n == len(meta.tensors)
+        assert stats is not None and n == len(meta.tensors) and stats.lane == kind, (stats, kind)
         outbox.put({"id": rid, "seconds": stats.seconds, "rendezvous_s": stats.rendezvous_s})
-    receiver.close()
+    for receiver in receivers.values():
+        receiver.close()
     del raw_group, raw_store
 
 
@@ -161,55 +173,69 @@ def _gather(outbox: Any, n: int) -> list[dict[str, Any]]:
     return [outbox.get(timeout=300) for _ in range(n)]
 
 
+def _one_transfer(lane: str, sender: Any, version: int, tensors: dict[str, torch.Tensor], inboxes: list[Any],
+                  outbox: Any) -> dict[str, float]:
+    from areal_like.core import wire
+
+    t0 = time.perf_counter()
+    meta = sender.send(version, tensors.items())
+    send_s = time.perf_counter() - t0
+    frame = wire.encode(meta)
+    for q in inboxes:
+        q.put((lane, frame))
+    answers = _gather(outbox, len(inboxes))
+    stats = sender.wait()
+    assert stats is not None and stats.ok and stats.lane == lane, (stats, lane)
+    slowest = max(answers, key=lambda a: a["seconds"])
+    return {
+        "send_s": send_s,
+        "transfer_s": slowest["seconds"] - slowest["rendezvous_s"],
+        "rendezvous_s": slowest["rendezvous_s"],
+        "end_to_end_s": send_s + slowest["seconds"],
+    }
+
+
 def bench_model(
     name: str,
     tensors: dict[str, torch.Tensor],
-    sender: Any,
+    senders: dict[str, Any],
     raw_group: Any,
     inboxes: list[Any],
     outbox: Any,
     reps: int,
 ) -> dict[str, Any]:
-    from areal_like.core import wire
-
+    """The default lane's figures at the top; the other lanes' (the broadcast, what
+    receivers on other hosts get) under `<lane>_lane`, each rep paired with the same
+    raw broadcast."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     params = sum(t.numel() for t in tensors.values())
     log.info("%s: %.1fM parameters, %.1f MB", name, params / 1e6, nbytes / 1e6)
     flat = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
-    rows: list[dict[str, float]] = []
-    # Interleaved, so that load from other processes on the box hits both alike.
+    rows: dict[str, list[dict[str, float]]] = {lane: [] for lane in senders}
+    # Interleaved, so that load from other processes on the box hits all alike.
     for rep in range(reps + 1):  # rep 0 warms up: buffers allocated, groups formed
-        t0 = time.perf_counter()
-        meta = sender.send(rep + 1, tensors.items())
-        send_s = time.perf_counter() - t0
-        frame = wire.encode(meta)
-        for q in inboxes:
-            q.put(("meta", frame))
-        answers = _gather(outbox, len(inboxes))
-        stats = sender.wait()
-        assert stats is not None and stats.ok, stats
-        slowest = max(answers, key=lambda a: a["seconds"])
+        got = {lane: _one_transfer(lane, sender, rep + 1, tensors, inboxes, outbox)
+               for lane, sender in senders.items()}
         for q in inboxes:
             q.put(("raw", flat.numel()))
         own = _timed_raw_broadcast(raw_group, flat)
         raw_s = max([own] + [a["seconds"] for a in _gather(outbox, len(inboxes))])
-        row = {
-            "send_s": send_s,
-            "transfer_s": slowest["seconds"] - slowest["rendezvous_s"],
-            "rendezvous_s": slowest["rendezvous_s"],
-            "end_to_end_s": send_s + slowest["seconds"],
-            "raw_broadcast_s": raw_s,
-        }
-        log.info(
-            "%s rep %d%s: %s",
-            name,
-            rep,
-            " (warm-up)" if rep == 0 else "",
-            {k: round(v, 4) for k, v in row.items()},
-        )
-        if rep:
-            rows.append(row)
-    result: dict[str, Any] = {"params": params, "bytes": nbytes, "tensors": len(tensors), "reps": len(rows)}
+        for lane, row in got.items():
+            row["raw_broadcast_s"] = raw_s
+            log.info("%s %s rep %d%s: %s", name, lane, rep, " (warm-up)" if rep == 0 else "",
+                     {k: round(v, 4) for k, v in row.items()})
+            if rep:
+                rows[lane].append(row)
+    first, *others = senders
+    result = {"lane": first, "tensors": len(tensors), **_summarise(rows[first], params, nbytes)}
+    for lane in others:
+        result[f"{lane}_lane"] = _summarise(rows[lane], params, nbytes)
+    log.info("%s: %s", name, result)
+    return result
+
+
+def _summarise(rows: list[dict[str, float]], params: int, nbytes: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"params": params, "bytes": nbytes, "reps": len(rows)}
     for key in rows[0]:
         result[key] = round(statistics.median(r[key] for r in rows), 4)
     best_transfer = min(r["transfer_s"] for r in rows)
@@ -226,7 +252,6 @@ def bench_model(
     result["ratio_paired_min_max"] = [round(min(paired), 3), round(max(paired), 3)]
     result["ratio_of_medians"] = round(result["raw_broadcast_s"] / result["transfer_s"], 3)
     result["ratio_of_bests"] = round(best_raw / best_transfer, 3)
-    log.info("%s: %s", name, result)
     return result
 
 
@@ -261,6 +286,8 @@ def main() -> None:
     parser.add_argument("--receivers", type=int, default=1)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--lanes", choices=["both", "shm", "gloo"], default="both",
+                        help="shm: same-host receivers read the staging file; gloo: the broadcast")
     parser.add_argument("--big-layers", type=int, default=12, help="layers of the ~100M Qwen2-layout model")
     parser.add_argument("--big-hidden", type=int, default=768, help="hidden size of the ~100M Qwen2-layout model")
     args, rec = _record.parse(parser, __file__, smoke={"reps": 1, "big_layers": 1, "big_hidden": 128})
@@ -269,8 +296,12 @@ def main() -> None:
     from areal_like.core.config import DistWeightSyncConfig
     from weight_sync import DistWeightSender
 
-    cfg = DistWeightSyncConfig(type="dist", bucket_mb=args.bucket_mb, timeout_s=120, store_addr="127.0.0.1:0")
-    sender = DistWeightSender(cfg)
+    # The shared-memory lane is what same-host receivers get (the default); the
+    # broadcast is what receivers on other hosts get.
+    lanes = ["shm", "gloo"] if args.lanes == "both" else [args.lanes]
+    senders = {lane: DistWeightSender(DistWeightSyncConfig(
+        type="dist", bucket_mb=args.bucket_mb, timeout_s=120, store_addr="127.0.0.1:0",
+        shared_memory=lane == "shm")) for lane in lanes}
     raw_store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
@@ -280,7 +311,8 @@ def main() -> None:
     procs = [
         ctx.Process(
             target=receiver_main,
-            args=(f"r{i}", i + 1, size, sender.store_addr, raw_store.port, q, outbox, errbox),
+            args=(f"r{i}", i + 1, size, {lane: s.store_addr for lane, s in senders.items()}, raw_store.port, q,
+                  outbox, errbox),
             name=f"r{i}",
             daemon=True,
         )
@@ -293,11 +325,12 @@ def main() -> None:
     try:
         raw_group = _raw_group(raw_store, 0, size, 120)
         _gather(outbox, args.receivers)
-        sender.wait_for_receivers(args.receivers, timeout=120)
+        for sender in senders.values():
+            sender.wait_for_receivers(args.receivers, timeout=120)
         models = {"quickstart": quickstart(),
                   "qwen2_100m": qwen2_like(hidden=args.big_hidden, layers=args.big_layers)}
         results = {
-            name: bench_model(name, tensors, sender, raw_group, inboxes, outbox, args.reps)
+            name: bench_model(name, tensors, senders, raw_group, inboxes, outbox, args.reps)
             for name, tensors in models.items()
         }
     finally:
@@ -306,15 +339,19 @@ def main() -> None:
             q.put(("stop", None))
         for p in procs:
             p.join(30)
-        sender.close()
+        for sender in senders.values():
+            sender.close()
+    big = results["qwen2_100m"]
     rec.finish({
         "bench": "weight_sync",
-        "transport": "dist/gloo",
+        "transport": "dist/" + "+".join(lanes),
         "receivers": args.receivers,
         "bucket_mb": args.bucket_mb,
         "threads": torch.get_num_threads(),
         **results,
-        "ratio_to_raw_broadcast": results["qwen2_100m"]["ratio_to_raw_broadcast"],
+        "ratio_to_raw_broadcast": big["ratio_to_raw_broadcast"],
+        **({"broadcast_lane_ratio_to_raw_broadcast": big["gloo_lane"]["ratio_to_raw_broadcast"]}
+           if "gloo_lane" in big else {}),
     })
 
 

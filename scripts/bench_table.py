@@ -68,7 +68,8 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
                           "trl_time_to_target_from_command_s", "ours_median_step_s", "trl_median_step_s",
                           "step_cost_ratio_ours_over_trl"],
                "python bench/vs_trl.py --repeats 3 --ours-steps 30", None),
-    "weight_sync": ("weight sync", ["ratio_to_raw_broadcast", "qwen2_100m.gb_per_s", "quickstart.transfer_s"],
+    "weight_sync": ("weight sync", ["ratio_to_raw_broadcast", "broadcast_lane_ratio_to_raw_broadcast",
+                                    "qwen2_100m.gb_per_s", "quickstart.transfer_s"],
                     "python bench/weight_sync.py", OLD_SUMMARY),
 }
 

@@ -36,6 +36,8 @@ BENCH_KEYS = {
                          "overlap_ideal", "two_pool_ideal"},
     # the long-tailed step the length-cut forward is measured on (docs/benchmarks.md, per-step profile)
     "train_step.py": {"step_time_s", "tail_cap", "max_len", "shared_prompts", "mini_batch_split"},
+    # #29: both lanes measured (same-host shared memory, and the broadcast other hosts get)
+    "weight_sync.py": {"ratio_to_raw_broadcast", "broadcast_lane_ratio_to_raw_broadcast"},
     # #34: the paired test per η
     "staleness_ablation.py": {"paired", "paired_diff", "table"},
 }

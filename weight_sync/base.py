@@ -45,6 +45,9 @@ class TransferStats:
     """Dist only: the group generation (bumped whenever membership changes or a transfer fails)."""
     accepted: int | None = None
     """Dist sender only: how many receivers verified and accepted the version."""
+    lane: str | None = None
+    """Dist only: how the bytes went: `gloo` or `nccl` (the broadcast) or `shm` (every
+    receiver on the sender's host read the shared-memory staging file)."""
 
     @property
     def gb_per_s(self) -> float:

@@ -29,6 +29,10 @@ What travels where:
   generation, total bytes, tensor count) that proves both sides talk about the same
   transfer, then the flat layout of `meta.FlatLayout` in `bucket_mb` byte ranges,
   two in flight, so receivers checksum one bucket while the next arrives.
+- On one host the buckets are not broadcast at all: when every member can read the
+  sender's shared-memory files, the plan names the staging file and each receiver
+  copies it into its buffer and checksums it there (`weight_sync/shm.py`,
+  docs/design.md §10.31).
 - Last, a one-int allreduce: each receiver votes 1 if it verified the version. It
   doubles as a commit barrier: it succeeds only if every member received every byte,
   so a transfer either reaches the whole group or none of it (a receiver dying
@@ -75,6 +79,7 @@ import torch.distributed as dist
 
 from areal_like.core.config import DistWeightSyncConfig
 from areal_like.core.types import TensorMeta, WeightUpdateMeta
+from weight_sync import shm
 from weight_sync.base import NamedTensors, TransferStats, WeightReceiver, WeightSender
 from weight_sync.meta import (
     FlatLayout,
@@ -220,6 +225,9 @@ class _Membership:
         and be ready (a resumed trainer's first version), instead of sending to nobody."""
         self.joins_seen = 0
         self.leaves_seen = 0
+        self.shm_ready: set[str] = set()
+        """Members of the last gathered transfer that said they read the sender's
+        shared-memory files (`weight_sync/shm.py`)."""
 
     def gather(self, seq: int) -> tuple[list[str], list[str]]:
         """Wait (≤ timeout_s) for the known receivers to be ready; decide who is in.
@@ -236,12 +244,15 @@ class _Membership:
         deadline = time.monotonic() + self.timeout_s
         self.read_registrations()
         ready: dict[str, str] = {}  # receiver id -> incarnation
+        shm_ready: set[str] = set()
 
         def read_ready() -> None:
             n = ctl.add(f"x{seq}/ready/n", 0)
             for i in range(len(ready) + 1, n + 1):
-                rid, _, incarnation = ctl.get(f"x{seq}/ready/{i}").decode().partition(" ")
+                rid, incarnation, *flags = ctl.get(f"x{seq}/ready/{i}").decode().split(" ")
                 ready[rid] = incarnation
+                if "shm" in flags:
+                    shm_ready.add(rid)
 
         first = not self.known and not self.had_receivers
         if first:
@@ -280,6 +291,7 @@ class _Membership:
         restarted = [r for r in members if self.incarnations.get(r, ready[r]) != ready[r]]
         self.incarnations = {r: ready[r] for r in members}
         self.had_receivers |= bool(members)
+        self.shm_ready = shm_ready & set(members)
         return members, restarted
 
     def read_registrations(self) -> set[str]:
@@ -344,6 +356,9 @@ class DistWeightSender(WeightSender):
         self._thread: threading.Thread | None = None
         self._last: TransferStats | None = None
         self._closed = False
+        self._shm = shm.SenderLane(cfg.shm_dir if cfg.shared_memory and self.device.type == "cpu" else None,
+                                   self._nonce, lambda value: self._ctl.set(shm.PROBE_KEY, value))
+        """Same-host receivers read `_staging` from this lane's file (design §10.31)."""
         log.info("weight group store listening on %s", self.store_addr)
 
     @property
@@ -364,7 +379,8 @@ class DistWeightSender(WeightSender):
             raise WeightSyncError("a tensor name is given twice")
         layout = FlatLayout.from_metas(metas)
         if layout != self._layout or self._staging is None:
-            self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            self._staging = (self._shm.staging(layout.total_bytes) if self.device.type == "cpu"
+                             else torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device))
             self._layout = layout
         digests = []
         for slot, (_, t) in zip(layout.slots, items, strict=True):
@@ -443,7 +459,11 @@ class DistWeightSender(WeightSender):
                 self._generation += 1
                 self._membership.members = members
             stats.generation, stats.receivers = self._generation, list(members)
-            self._publish_plan(seq, {"generation": self._generation, "members": members, "device": self.device.type})
+            plan: dict[str, Any] = {"generation": self._generation, "members": members, "device": self.device.type}
+            if self._shm.path is not None and set(members) <= self._membership.shm_ready:
+                plan["shm"] = self._shm.path  # every member reads the staging file itself
+            stats.lane = "shm" if "shm" in plan else ("nccl" if self.device.type == "cuda" else "gloo")
+            self._publish_plan(seq, plan)
             if self._group is None:
                 t_build = time.perf_counter()
                 self._group = _make_group(
@@ -462,7 +482,7 @@ class DistWeightSender(WeightSender):
                     time.perf_counter() - t_build,
                 )
             stats.rendezvous_s = time.perf_counter() - t0
-            stats.accepted = self._broadcast(meta, seq)
+            stats.accepted = self._broadcast(meta, seq, buckets="shm" not in plan)
             stats.bytes = self._layout.total_bytes if self._layout else 0
             stats.ok = stats.accepted == len(members)
             if not stats.ok:
@@ -511,8 +531,9 @@ class DistWeightSender(WeightSender):
             self._drop_group()
         return members
 
-    def _broadcast(self, meta: WeightUpdateMeta, seq: int) -> int:
-        """Send header and buckets; return how many receivers accepted the version."""
+    def _broadcast(self, meta: WeightUpdateMeta, seq: int, buckets: bool = True) -> int:
+        """Send header and buckets (none on the shared-memory lane: the members read the
+        staging file); return how many receivers accepted the version."""
         assert self._layout is not None and self._staging is not None
         timeout = _timedelta(self.timeout_s)
         header = torch.tensor(
@@ -522,7 +543,7 @@ class DistWeightSender(WeightSender):
         )
         self._group.broadcast(header, 0, timeout).wait(timeout)
         in_flight: deque[Any] = deque()
-        for start, end in self._layout.buckets(self.bucket_bytes):
+        for start, end in self._layout.buckets(self.bucket_bytes) if buckets else ():
             in_flight.append(self._group.broadcast(self._staging[start:end], 0, timeout))
             if len(in_flight) >= _WINDOW:
                 in_flight.popleft().wait(timeout)
@@ -555,6 +576,8 @@ class DistWeightSender(WeightSender):
             self._drop_group()
             self._closed = True
             self._ctl = self._store = self._membership.ctl = None  # type: ignore[assignment]
+            self._staging = None
+            self._shm.close()
 
 
 def _worker_of(receiver_id: str, server: str) -> bool:
@@ -612,6 +635,10 @@ class DistWeightReceiver(WeightReceiver):
         self._wire = torch.device("cpu")
         """The device the current group runs on (the sender's: see `_receive_into_buffer`)."""
         self._last: TransferStats | None = None
+        self._shared_memory = cfg.shared_memory
+        self._sees_shm: bool | None = None
+        """Whether this process reads the current sender's shared-memory files (probed once per store)."""
+        self._shm = shm.ShmReader()
 
     @property
     def last_transfer(self) -> TransferStats | None:
@@ -639,6 +666,7 @@ class DistWeightReceiver(WeightReceiver):
             raise WeightSyncError(f"cannot reach the weight-group store at {addr}: {e}") from e
         self._ctl = dist.PrefixStore(_CTL, self._store)
         self._addr = f"{host}:{port}"
+        self._sees_shm = None
         self._register()
 
     def _register(self) -> None:
@@ -697,7 +725,7 @@ class DistWeightReceiver(WeightReceiver):
         assert self._ctl is not None
         ctl = self._ctl
         n = ctl.add(f"x{seq}/ready/n", 1)
-        ctl.set(f"x{seq}/ready/{n}", f"{self.receiver_id} {self._incarnation}")
+        ctl.set(f"x{seq}/ready/{n}", f"{self.receiver_id} {self._incarnation}" + (" shm" if self._reads_shm() else ""))
         key = f"x{seq}/plan"
 
         def moved_on() -> int:
@@ -720,6 +748,17 @@ class DistWeightReceiver(WeightReceiver):
                 f"{moved_on()}; re-registered for the next version"
             )
         return json.loads(ctl.get(key).decode())
+
+    def _reads_shm(self) -> bool:
+        """Whether to offer the shared-memory lane: on, and the sender's probe file reads
+        back its token here (same host, same user)."""
+        if self._sees_shm is None:
+            assert self._ctl is not None
+            self._sees_shm = (self._shared_memory and self._ctl.check([shm.PROBE_KEY])
+                              and shm.sees(self._ctl.get(shm.PROBE_KEY).decode()))
+            if self._sees_shm:
+                log.info("weight receiver %s reads the sender's shared memory: no broadcast needed", self.receiver_id)
+        return bool(self._sees_shm)
 
     def _receive_into_buffer(
         self,
@@ -766,7 +805,8 @@ class DistWeightReceiver(WeightReceiver):
             if layout != self._layout or self._flat is None or self._flat.device != wire:
                 self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=wire)
                 self._layout = layout
-            digests = self._receive_buckets(meta, layout, seq, generation)
+            digests = self._receive_buckets(meta, layout, seq, generation, plan.get("shm"))
+            stats.lane = "shm" if plan.get("shm") else ("nccl" if wire.type == "cuda" else "gloo")
             refusal = spec_error
             got = checksum(meta.tensors, digests)
             if refusal is None and got != meta.checksum:
@@ -782,8 +822,8 @@ class DistWeightReceiver(WeightReceiver):
             raise
 
     def _receive_buckets(
-        self, meta: WeightUpdateMeta, layout: FlatLayout, seq: int, generation: int
-    ) -> list[int]:
+        self, meta: WeightUpdateMeta, layout: FlatLayout, seq: int, generation: int, shm_path: str | None = None
+    ) -> list[bytes]:
         assert self._flat is not None
         timeout = _timedelta(self.timeout_s)
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self._wire)
@@ -791,8 +831,11 @@ class DistWeightReceiver(WeightReceiver):
         want = _header(seq, meta.version, generation, layout.total_bytes, len(meta.tensors))
         if header.tolist() != want:
             raise WeightSyncError(f"weight stream header {header.tolist()} does not match the meta {want}")
-        digests: list[int] = []
         slots = layout.slots
+        if shm_path is not None:  # the sender's staging file holds this version until the vote
+            self._flat.copy_(self._shm.open(shm_path, layout.total_bytes))
+            return [layout.slot_digest(self._flat, slot) for slot in slots]
+        digests: list[bytes] = []
         in_flight: deque[tuple[Any, int]] = deque()
 
         def finish_oldest() -> None:
@@ -826,6 +869,7 @@ class DistWeightReceiver(WeightReceiver):
 
     def _disconnect(self) -> None:
         self._drop_group()
+        self._shm.close()
         self._store = self._ctl = None
         self._addr = self._nonce = None
 

@@ -441,6 +441,12 @@ class DistWeightSyncConfig(_WeightSyncBase):
     """Where the broadcast runs: `cuda` is NCCL between GPUs, `cpu` is gloo with CPU staging.
     `auto` picks NCCL when the trainer trains on CUDA and every server has a GPU of its own
     (both pools have GPUs), and gloo otherwise, e.g. a trainer and a server sharing a GPU."""
+    shared_memory: bool = True
+    """With gloo: receivers on the trainer's host read each version from a shared-memory file
+    in `shm_dir` instead of the broadcast (the checksum and commit vote unchanged). Used for
+    a transfer only when every receiver of it can read the sender's files; off, the broadcast."""
+    shm_dir: str = "/dev/shm"
+    """Folder of the shared-memory lane's files (a tmpfs)."""
 
 
 class DiskWeightSyncConfig(_WeightSyncBase):

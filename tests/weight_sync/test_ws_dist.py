@@ -11,6 +11,7 @@ config), so the meta is all they need.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 from pathlib import Path
@@ -98,7 +99,9 @@ def model(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_group_delivers_exactly_survives_a_dead_receiver_and_rebuilds(model: dict[str, torch.Tensor]) -> None:
-    cfg = DistWeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
+    """The broadcast lane (what receivers on other hosts get; the shared-memory lane is off)."""
+    cfg = DistWeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0",
+                               shared_memory=False)
     sender = DistWeightSender(cfg)
     receivers = _Receivers(sender.store_addr)
     try:
@@ -165,11 +168,57 @@ def test_group_delivers_exactly_survives_a_dead_receiver_and_rebuilds(model: dic
         sender.close()
 
 
+def test_same_host_receivers_read_shared_memory_and_a_dead_one_stops_the_version(
+    model: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """Receivers on the sender's host read each version from its shared-memory staging
+    file (no bucket broadcast), exactly; one that dies before its commit vote makes the
+    other keep its weights, as on the broadcast lane; the files go with the sender, and a
+    dead sender's are removed by the next one."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    (shm_dir / "areal_ws-999999999-deadbeef-1").write_bytes(b"x" * 10)  # a killed trainer's file
+    cfg = DistWeightSyncConfig(type="dist", timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0", shm_dir=str(shm_dir))
+    sender = DistWeightSender(cfg)
+    assert sorted(p.name for p in shm_dir.iterdir()) == [f"areal_ws-{os.getpid()}-{sender._nonce}.probe"]
+    receivers = _Receivers(sender.store_addr)
+    try:
+        receivers.start("A")
+        receivers.start("B", fault=("exit", 3, 2))  # header, then dies at its commit vote
+        receivers.collect(["A", "B"], timeout=120)
+        sender.wait_for_receivers(2, timeout=30)
+        for version, dtype in [(1, torch.float32), (2, torch.bfloat16)]:
+            tensors = _version(model, version, dtype)
+            for answer in receivers.publish(sender.send(version, tensors.items()), ["A", "B"]).values():
+                assert answer["ok"] and answer["digests"] == _digests(tensors), answer
+            stats = sender.wait()
+            assert stats is not None and stats.ok and stats.accepted == 2 and stats.lane == "shm", stats
+
+        answer = receivers.publish(sender.send(3, _version(model, 3, torch.float32).items()), ["A", "B"],
+                                   answers=["A"])["A"]
+        assert not answer["ok"] and answer["version"] == 2, answer
+        receivers.procs["B"].join(30)
+        assert receivers.procs["B"].exitcode == 17
+        stats = sender.wait()
+        assert stats is not None and not stats.ok
+
+        tensors = _version(model, 4, torch.float32)
+        answer = receivers.publish(sender.send(4, tensors.items()), ["A"])["A"]
+        assert answer["ok"] and answer["digests"] == _digests(tensors) and answer["gen"] == 2, answer
+        stats = sender.wait()
+        assert stats is not None and stats.ok and stats.receivers == ["A"] and stats.lane == "shm"
+    finally:
+        receivers.stop()
+        sender.close()
+    assert list(shm_dir.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_hung_receiver_times_out_and_a_local_refusal_stays_local(model: dict[str, torch.Tensor]) -> None:
     """B stalls mid-transfer: everyone times out, and the same two rebuild a group. Then
     B's engine expects another shape: B refuses, A activates, the group stays as it is."""
-    cfg = DistWeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
+    cfg = DistWeightSyncConfig(type="dist", bucket_mb=0.25, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0",
+                               shared_memory=False)
     sender = DistWeightSender(cfg)
     receivers = _Receivers(sender.store_addr)
     name = next(iter(model))

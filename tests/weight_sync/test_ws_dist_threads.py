@@ -39,8 +39,8 @@ def sender() -> Iterator[DistWeightSender]:
     s.close()
 
 
-def _receiver(rid: str) -> DistWeightReceiver:
-    return DistWeightReceiver(DistWeightSyncConfig(type="dist", timeout_s=TIMEOUT_S), rid)
+def _receiver(rid: str, shared_memory: bool = True) -> DistWeightReceiver:
+    return DistWeightReceiver(DistWeightSyncConfig(type="dist", timeout_s=TIMEOUT_S, shared_memory=shared_memory), rid)
 
 
 def _deliver(meta: WeightUpdateMeta, receivers: list[DistWeightReceiver]) -> dict[str, Any]:
@@ -81,6 +81,48 @@ def test_buffers_are_reused_and_layout_changes_reallocate(sender: DistWeightSend
         assert stats is not None and stats.ok and stats.generation == 1
     assert ptrs[0] == ptrs[1]  # same layout: received into the same memory, no allocation
     assert ptrs[2] != ptrs[1]
+    r.close()
+
+
+def test_one_receiver_without_the_shared_memory_lane_puts_the_whole_group_on_the_broadcast(
+    sender: DistWeightSender,
+) -> None:
+    """The lane is per transfer: all members read the staging file, or all take the
+    broadcast (a receiver on another host, here one with the lane off)."""
+    a, b = _receiver("a"), _receiver("b", shared_memory=False)
+    a.connect(sender.store_addr)
+    sender.wait_for_receivers(1)
+    got = _deliver(sender.send(1, _tensors(1).items()), [a])
+    assert all(torch.equal(t, _tensors(1)[n]) for n, t, _ in got["a"])
+    stats = sender.wait()
+    assert stats is not None and stats.ok and stats.lane == "shm" and a.last_transfer.lane == "shm"
+    b.connect(sender.store_addr)
+    sender.wait_for_receivers(2)
+    got = _deliver(sender.send(2, _tensors(2).items()), [a, b])
+    for rid in ("a", "b"):
+        assert all(torch.equal(t, _tensors(2)[n]) for n, t, _ in got[rid]), got[rid]
+    stats = sender.wait()
+    assert stats is not None and stats.ok and stats.accepted == 2 and stats.lane == "gloo", stats
+    assert a.last_transfer.lane == b.last_transfer.lane == "gloo"
+    a.close()
+    b.close()
+
+
+def test_bytes_changed_in_the_shared_memory_file_are_refused_by_the_checksum(sender: DistWeightSender) -> None:
+    r = _receiver("r")
+    r.connect(sender.store_addr)
+    sender.wait_for_receivers(1)
+    assert not isinstance(_deliver(sender.send(1, _tensors(1).items()), [r])["r"], Exception)
+    sender.wait()
+    meta = sender.send(2, _tensors(2).items())
+    assert sender._shm.path is not None
+    with open(sender._shm.path, "r+b") as f:  # another process scribbles on the file before it is read
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    got = _deliver(meta, [r])["r"]
+    assert isinstance(got, WeightSyncError) and "checksum mismatch" in str(got)
+    stats = sender.wait()
+    assert stats is not None and stats.lane == "shm" and stats.accepted == 0
     r.close()
 
 
