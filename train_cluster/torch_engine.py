@@ -25,7 +25,6 @@ import json
 import logging
 import random
 import socket
-import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -142,16 +141,10 @@ class TorchTrainEngine(TrainEngine):
         def factor(step: int) -> float:
             return lr_factor(step, schedule=sched, warmup=warm, total=total)
 
-        def build() -> tuple[torch.optim.Optimizer, Any]:
-            opt = torch.optim.AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas,
-                                    weight_decay=train_cfg.weight_decay)
-            return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        from train_cluster.optim import AdamW
 
-        # A torch optimizer's first construction imports torch._dynamo (2-3 s on 2 cores: its
-        # __init__ is wrapped to disable dynamo). Built on a thread, that import overlaps the
-        # rollout side's start-up and the first batch's forward instead of delaying the
-        # worker's start; the first use of `optimizer` or `scheduler` waits for it.
-        self._optim = _Deferred(build, name="optimizer-init")
+        self._optimizer = AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, factor)
         self._ref: Any = None
         if train_cfg.loss.kl_coef > 0:
             self._ref = load_causal_lm(model_path, _DTYPES[dtype], backend.model_impl).to(self.device)
@@ -161,11 +154,11 @@ class TorchTrainEngine(TrainEngine):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self._optim.result()[0]
+        return self._optimizer
 
     @property
     def scheduler(self) -> Any:
-        return self._optim.result()[1]
+        return self._scheduler
 
     # ---- colocated: the devices between steps belong to the rollout servers ---------------
 
@@ -331,31 +324,6 @@ class TorchTrainEngine(TrainEngine):
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
-
-
-class _Deferred:
-    """`fn()` run on a daemon thread from construction; `result()` waits for it (once) and
-    returns its value or raises its exception."""
-
-    def __init__(self, fn: Any, *, name: str) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised to the caller of result()
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        if self._thread.is_alive():
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _hf_logits(model: Any, mb: TrainBatch, device: torch.device, *, split: bool = True) -> torch.Tensor:
