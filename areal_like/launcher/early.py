@@ -19,18 +19,18 @@ import sys
 __all__ = ["PRELOAD", "adopt", "discard", "popen", "prestart"]
 
 PRELOAD = (
-    "torch", "transformers", "transformers.tokenization_utils_tokenizers",
-    "transformers.models.auto.tokenization_auto", "transformers.utils.chat_template_utils",
-    "areal_like.models.lite", "torch.optim", "safetensors.torch", "zmq", "msgpack", "pydantic", "tokenizers",
+    "torch", "tokenizers", "jinja2", "jinja2.sandbox", "jinja2.ext", "areal_like.models.lite_tokenizer",
+    "areal_like.models.lite", "torch.optim", "safetensors.torch", "zmq", "msgpack", "pydantic",
     "areal_like.core.config", "areal_like.core.types", "areal_like.orchestration.rollout_side",
     "rollout_cluster.server_actor", "rollout_cluster.server", "rollout_cluster.engine.embedded",
     "rollout_cluster.agent_loop.runner", "train_cluster.worker_group", "train_cluster.torch_engine",
     "weight_sync",
 )
 """Imported by the zygote before it forks anything: what every actor would import. Not
-`transformers.modeling_utils` (2-3 s, every HF model class stands on it): the quickstart's
-model loads as `areal_like.models.lite.LiteCausalLM`; an actor that needs an HF class (another
-architecture, `model_impl: hf`) imports it itself."""
+transformers (1.4 s with its tokenizer modules; `transformers.modeling_utils` 2-3 s more):
+the quickstart's model loads as `areal_like.models.lite.LiteCausalLM` and its tokenizer as
+`areal_like.models.lite_tokenizer.LiteTokenizer`; an actor that needs transformers
+(another model or tokenizer, `model_impl: hf`) imports it itself."""
 
 COMMANDS = ("run", "train", "rollout")
 """The CLI's commands that open a launcher (the others never start a zygote)."""

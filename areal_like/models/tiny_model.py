@@ -92,16 +92,19 @@ def build_tokenizer() -> Any:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """Load a tokenizer folder. Ours is loaded as-is from `tokenizer.json`: transformers 5's
-    `AutoTokenizer` swaps in the model type's tokenizer class (Qwen2's byte-level
-    pre-tokenizer) and would drop spaces; any other folder goes through AutoTokenizer."""
+    """Load a tokenizer folder. Ours is loaded as-is from `tokenizer.json`, without
+    transformers (`LiteTokenizer`: the same ids and text, docs/design.md §10.33);
+    transformers 5's `AutoTokenizer` would swap in the model type's tokenizer class (Qwen2's
+    byte-level pre-tokenizer) and drop spaces. Any other folder goes through AutoTokenizer."""
     import json
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cfg_file = Path(path) / "tokenizer_config.json"
     if cfg_file.is_file() and json.loads(cfg_file.read_text()).get(_MARKER):
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
+        from areal_like.models.lite_tokenizer import LiteTokenizer
+
+        return LiteTokenizer(path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

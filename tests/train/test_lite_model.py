@@ -83,9 +83,10 @@ def test_unsupported_checkpoints_load_transformers_class(tmp_path: Path) -> None
         load_causal_lm(QUICKSTART, impl="fast")
 
 
-def test_the_quickstart_path_imports_no_transformers_model_class() -> None:
+def test_the_quickstart_path_imports_no_transformers() -> None:
     """The start-up saving is the point: loading the quickstart model (trainer and engine
-    alike) and its tokenizer never imports `transformers.modeling_utils`."""
+    alike) and its tokenizer, and rendering its chat template, never imports transformers
+    (docs/design.md §10.30, §10.33), nor do the modules the local launcher's zygote preloads."""
     code = (
         "import sys, torch\n"
         "from areal_like.models.lite import load_causal_lm\n"
@@ -96,9 +97,12 @@ def test_the_quickstart_path_imports_no_transformers_model_class() -> None:
         "ModelRunner(p, max_seq_len=64, device=torch.device('cpu'), dtype=torch.float32)\n"
         "tok = load_tokenizer(p)\n"
         "tok.apply_chat_template([{'role': 'user', 'content': '1+1'}], add_generation_prompt=True)\n"
-        "print(type(m).__name__, 'transformers.modeling_utils' in sys.modules)\n"
+        "import importlib\n"
+        "from areal_like.launcher.early import PRELOAD\n"
+        "for mod in PRELOAD: importlib.import_module(mod)\n"
+        "print(type(m).__name__, type(tok).__name__, 'transformers' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["LiteCausalLM", "False"]
+    assert out.stdout.split() == ["LiteCausalLM", "LiteTokenizer", "False"]

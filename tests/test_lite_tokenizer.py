@@ -1,0 +1,94 @@
+"""`LiteTokenizer` (our tokenizer folders without transformers) gives transformers' ids and
+text: encode, decode, special tokens, chat templates with tools and tool calls, and files
+that load back in either class (docs/design.md §10.33)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from areal_like.models.lite_tokenizer import LiteTokenizer
+from areal_like.models.tiny_model import load_tokenizer
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "areal_like" / "assets" / "quickstart_model"
+TOOLS = [{"type": "function", "function": {"name": "python", "description": "run code", "parameters": {}}}]
+CONVERSATIONS = [
+    ([{"role": "user", "content": "What is 12+7?"}], None),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "ok"}], None),
+    ([{"role": "user", "content": "calc"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}}]},
+      {"role": "tool", "content": "1\n"}], TOOLS),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}],
+     [{"name": "f"}]),
+    ([{"role": "user", "content": "üñí <tool_call> x <|im_end|>"}], None),
+]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LiteTokenizer, PreTrainedTokenizerFast]:
+    lite = load_tokenizer(QUICKSTART)
+    assert isinstance(lite, LiteTokenizer)
+    return lite, PreTrainedTokenizerFast.from_pretrained(str(QUICKSTART))
+
+
+def test_ids_text_and_special_tokens_are_transformers(pair) -> None:
+    lite, hf = pair
+    for attr in ("eos_token", "pad_token", "unk_token", "bos_token", "eos_token_id", "pad_token_id", "unk_token_id",
+                 "bos_token_id", "vocab_size", "chat_template"):
+        assert getattr(lite, attr) == getattr(hf, attr), attr
+    assert len(lite) == len(hf)
+    assert lite.convert_tokens_to_ids(["<tool_call>", "no such token", "a"]) == \
+        hf.convert_tokens_to_ids(["<tool_call>", "no such token", "a"])
+    rng = random.Random(0)
+    alphabet = list("abc XYZ 0129\n\t{}\"'üñ") + ["<|im_start|>", "<|im_end|>", "<tool_call>", "<pad>"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        ids = hf.encode(text)
+        assert lite.encode(text) == ids, text
+        assert lite.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+        for skip in (False, True):
+            assert lite.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
+
+
+@pytest.mark.parametrize("k", range(len(CONVERSATIONS)))
+def test_chat_templates_render_as_transformers_does(pair, k: int) -> None:
+    lite, hf = pair
+    messages, tools = CONVERSATIONS[k]
+    for gen in (False, True):
+        text = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, tokenize=False)
+        assert lite.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, tokenize=False) == text
+        out = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, tokenize=True)
+        assert dict(lite.apply_chat_template(messages, tools=tools, add_generation_prompt=gen)) == dict(out)
+        ids = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, return_dict=False)
+        assert lite.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, return_dict=False) == ids
+
+
+def test_what_it_does_not_cover_goes_to_transformers(pair) -> None:
+    lite, hf = pair
+    for tok in (lite, hf):
+        with pytest.raises(ValueError, match="empty conversation"):
+            tok.apply_chat_template([], tools=TOOLS)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+    # an option it does not render itself, and an attribute it does not have
+    assert lite.apply_chat_template(messages, continue_final_message=True, tokenize=False) == \
+        hf.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert lite.get_vocab() == hf.get_vocab()
+    assert lite.batch_decode([[5, 6], [7]]) == hf.batch_decode([[5, 6], [7]])
+
+
+def test_saved_files_load_back_in_both_classes_with_a_changed_template(pair, tmp_path: Path) -> None:
+    lite, _ = pair
+    copy = LiteTokenizer(QUICKSTART)
+    copy.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    copy.save_pretrained(tmp_path)
+    again, hf = load_tokenizer(tmp_path), PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    assert isinstance(again, LiteTokenizer)
+    messages = [{"role": "user", "content": "x"}]
+    assert again.apply_chat_template(messages, tokenize=False) == hf.apply_chat_template(messages, tokenize=False) \
+        == "[user]x"
+    assert again.encode("a b") == lite.encode("a b")
