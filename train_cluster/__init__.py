@@ -7,17 +7,33 @@ Public surface for the orchestrator:
 - `engine.train_step(batch)` → stats dict (keys `STAT_KEYS`), `engine.version`,
   `engine.named_weights()`, `engine.save(path, extra)`, `engine.load(path)` → extra.
 
-Heavy modules (transformers, Ray, megatron-core) are imported only when used.
+Heavy modules (torch, transformers, Ray, megatron-core) are imported only when used.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from train_cluster.batch import TrainBatch, build_batch, pack_sequences, shard_batch, split_mini_batches
-from train_cluster.engine import STAT_KEYS, TrainEngine
-from train_cluster.losses import aggregate, decoupled_ppo_loss, group_advantages, kl_k3
+if TYPE_CHECKING:
+    from train_cluster.batch import TrainBatch, build_batch, pack_sequences, shard_batch, split_mini_batches
+    from train_cluster.engine import STAT_KEYS, TrainEngine
+    from train_cluster.losses import aggregate, decoupled_ppo_loss, group_advantages, kl_k3
+
+_LAZY = {
+    "TrainBatch": "batch", "build_batch": "batch", "pack_sequences": "batch", "shard_batch": "batch",
+    "split_mini_batches": "batch", "STAT_KEYS": "engine", "TrainEngine": "engine", "aggregate": "losses",
+    "decoupled_ppo_loss": "losses", "group_advantages": "losses", "kl_k3": "losses",
+}
+"""Imported at first use, so that importing a submodule (the driver's `worker_group`) does
+not import torch (docs/design.md §10.34)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"train_cluster.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'train_cluster' has no attribute {name!r}")
 
 __all__ = [
     "STAT_KEYS",

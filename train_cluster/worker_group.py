@@ -25,13 +25,18 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from areal_like.core.config import MegatronBackendConfig, TrainConfig
 from areal_like.core.types import Trajectory
-from train_cluster.batch import TrainBatch, balanced_partition, build_batch
+
+if TYPE_CHECKING:
+    # The driver imports this module; torch is the workers' (a single data shard's batch is
+    # built in the workers, so the driver of the quickstart never imports torch: its 2 s of
+    # a core went to the start-up's critical path; docs/design.md §10.34).
+    import torch
+
+    from train_cluster.batch import TrainBatch
 
 __all__ = ["TrainWorkerGroup", "TrainWorkerDied", "WorkerWeightSender"]
 
@@ -100,9 +105,12 @@ class _TrainWorker:
         `offload`: `cluster.colocate` on CUDA: the model and optimizer live in host memory
         between steps (docs/design.md §10.17)."""
         self.offload = offload
+        import torch
+
         from train_cluster.torch_engine import TorchTrainEngine, init_train_group
 
         cfg = TrainConfig.model_validate(train_cfg)
+        self.loss_cfg = cfg.loss
         if self.world_size > 1:
             init_train_group(self.rank, self.world_size, store_addr, cfg.backend.device)
         if isinstance(cfg.backend, MegatronBackendConfig):
@@ -147,6 +155,16 @@ class _TrainWorker:
         if ledger is not None:
             stats["borrowed_thread_s"] = self.engine.thread_lender.borrowed_s
         return stats
+
+    def train_on(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """`train_step` on the batch this worker builds from `trajectories` (the whole
+        batch: one data shard); `batch_time_s` is the time building it took."""
+        from train_cluster.batch import build_batch
+
+        t0 = time.perf_counter()
+        batch = build_batch(trajectories, self.loss_cfg)
+        built = time.perf_counter() - t0
+        return {**self.train_step(batch), "batch_time_s": built}
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         if not self.offload:
@@ -296,6 +314,8 @@ class TrainWorkerGroup:
 
     def _shards(self, batch: TrainBatch) -> list[list[int]]:
         """One token-balanced shard per data-parallel rank (`dp_size` of them; torch: every worker)."""
+        from train_cluster.batch import balanced_partition
+
         if batch.num_seqs < self.dp_size:
             raise ValueError(f"{batch.num_seqs} sequences cannot feed {self.dp_size} data-parallel train ranks")
         return balanced_partition(batch.seq_lens.tolist(), self.dp_size)
@@ -304,9 +324,12 @@ class TrainWorkerGroup:
         """One step on every rank; `poll` is called every 20 ms while they compute."""
         # All ranks of one TP group get the same shard (the same object: Ray stores it once).
         parts = [batch.select(idx) for idx in self._shards(batch)]
-        stats = _get(self.workers, [w.train_step.remote(parts[dp])
-                                    for w, dp in zip(self.workers, self._dp_ranks, strict=True)], "train_step",
-                     poll=poll)
+        return self._step([w.train_step.remote(parts[dp]) for w, dp in zip(self.workers, self._dp_ranks, strict=True)],
+                          poll)
+
+    def _step(self, refs: list[Any], poll: Callable[[], None] | None) -> dict[str, float]:
+        """Rank 0's stats of one step, with the CPU and borrowed threads summed over ranks."""
+        stats = _get(self.workers, refs, "train_step", poll=poll)
         self._version = int(stats[0]["version"])
         out = {**stats[0], "train_cpu_s": sum(s.get("cpu_s", 0.0) for s in stats)}
         if any("borrowed_thread_s" in s for s in stats):  # summed over ranks, like the CPU
@@ -319,6 +342,10 @@ class TrainWorkerGroup:
         and the decoupled PPO update all happen here, in the train cluster. `poll` runs in
         this process every 20 ms while the workers compute. `batch_time_s` in the stats is
         the time building the batch took (the step's time budget)."""
+        if self.dp_size == 1:  # one data shard: every rank builds the whole batch itself
+            return self._step([w.train_on.remote(trajectories) for w in self.workers], poll)
+        from train_cluster.batch import build_batch
+
         t0 = time.perf_counter()
         batch = build_batch(trajectories, self.loss_cfg)
         built = time.perf_counter() - t0
@@ -333,6 +360,8 @@ class TrainWorkerGroup:
         for dp, lp in zip(self._dp_ranks, got, strict=True):  # TP ranks of a shard agree: keep the first
             if parts[dp] is None:
                 parts[dp] = lp
+        import torch
+
         out = torch.zeros(batch.num_tokens)
         offs = batch.offsets().tolist()
         for idx, lp in zip(shards, parts, strict=True):
@@ -415,7 +444,7 @@ class WorkerWeightSender:
         self.group.workers[0].weights_forget.remote()
 
     def wait(self, timeout: float | None = None) -> Any:
-        from weight_sync.meta import WeightSyncError
+        from weight_sync.base import WeightSyncError
 
         stats, error = _get(self.group.workers[:1], [self.group.workers[0].weights_wait.remote(timeout)],
                             "weights_wait")[0]

@@ -17,14 +17,26 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from areal_like.core.types import WeightUpdateMeta
 
-__all__ = ["WeightSender", "WeightReceiver", "TransferStats", "NamedTensors"]
+if TYPE_CHECKING:  # a driver unpickles `TransferStats` from a train worker without torch (design §10.34)
+    import torch
 
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+__all__ = ["WeightSender", "WeightReceiver", "TransferStats", "NamedTensors", "WeightSyncError", "NotAMemberError"]
+
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+
+
+class WeightSyncError(RuntimeError):
+    """A version could not be delivered; the caller keeps (and keeps serving) its old weights."""
+
+
+class NotAMemberError(WeightSyncError):
+    """This receiver is not in the weight group that carries this version (it joined late
+    or was dropped). It has re-registered and will be included in the next version's
+    group; until then the caller keeps its weights or loads the version from disk."""
 
 
 @dataclass

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from areal_like.core.types import TensorMeta
+from weight_sync.base import NotAMemberError, WeightSyncError  # noqa: F401 - their home was here
 
 __all__ = [
     "WeightSyncError",
@@ -85,14 +86,7 @@ def newer_weights(meta: Any, epoch: int, version: int) -> bool:
     return (int(getattr(meta, "epoch", 0)), int(meta.version)) > (epoch, version)
 
 
-class WeightSyncError(RuntimeError):
-    """A version could not be delivered; the caller keeps (and keeps serving) its old weights."""
 
-
-class NotAMemberError(WeightSyncError):
-    """This receiver is not in the weight group that carries this version (it joined late
-    or was dropped). It has re-registered and will be included in the next version's
-    group; until then the caller keeps its weights or loads the version from disk."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

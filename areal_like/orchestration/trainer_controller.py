@@ -29,9 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.config import ExperimentConfig
@@ -64,6 +62,9 @@ from areal_like.orchestration.trainer_policies import (
     WeightFeed,
 )
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
+
+if TYPE_CHECKING:  # the driver never needs torch itself: the workers hold the tensors (design §10.34)
+    import torch
 
 __all__ = ["TrainerController", "TrainerHandle", "WeightPublisher", "RunAborted", "RunFailed", "RunInterrupted"]
 
