@@ -124,7 +124,7 @@ def main() -> None:
     emit({"kind": "start", "time": t0, "threads": args.threads, "torch": torch.__version__})
     cfg = load_config(args.config, [f"dataset.form={args.form}"])
     model_path = resolve_model_path(cfg)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, hf=True)  # GRPOTrainer requires transformers' class
     if args.form == "tool":
         tokenizer.response_template = RESPONSE_TEMPLATE
     model = Qwen2ForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)

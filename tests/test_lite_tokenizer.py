@@ -92,3 +92,13 @@ def test_saved_files_load_back_in_both_classes_with_a_changed_template(pair, tmp
     assert again.apply_chat_template(messages, tokenize=False) == hf.apply_chat_template(messages, tokenize=False) \
         == "[user]x"
     assert again.encode("a b") == lite.encode("a b")
+
+
+def test_a_library_that_requires_transformers_class_gets_it() -> None:
+    """TRL's GRPOTrainer refuses anything but transformers' tokenizer classes
+    (bench/_trl_contender.py asks for one)."""
+    from transformers import PreTrainedTokenizerBase
+
+    hf = load_tokenizer(QUICKSTART, hf=True)
+    assert isinstance(hf, PreTrainedTokenizerBase) and hf.encode("1+2") == load_tokenizer(QUICKSTART).encode("1+2")
+    assert "load_tokenizer(model_path, hf=True)" in (QUICKSTART.parents[2] / "bench" / "_trl_contender.py").read_text()

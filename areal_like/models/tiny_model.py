@@ -91,15 +91,21 @@ def build_tokenizer() -> Any:
     return fast
 
 
-def load_tokenizer(path: str | Path) -> Any:
+def load_tokenizer(path: str | Path, *, hf: bool = False) -> Any:
     """Load a tokenizer folder. Ours is loaded as-is from `tokenizer.json`, without
-    transformers (`LiteTokenizer`: the same ids and text, docs/design.md §10.33);
-    transformers 5's `AutoTokenizer` would swap in the model type's tokenizer class (Qwen2's
-    byte-level pre-tokenizer) and drop spaces. Any other folder goes through AutoTokenizer."""
+    transformers (`LiteTokenizer`: the same ids and text, docs/design.md §10.33), or with
+    `hf=True` as transformers' `PreTrainedTokenizerFast`, for a library that requires
+    transformers' class (TRL's `GRPOTrainer`); transformers 5's `AutoTokenizer` would swap
+    in the model type's tokenizer class (Qwen2's byte-level pre-tokenizer) and drop spaces.
+    Any other folder goes through AutoTokenizer."""
     import json
 
     cfg_file = Path(path) / "tokenizer_config.json"
     if cfg_file.is_file() and json.loads(cfg_file.read_text()).get(_MARKER):
+        if hf:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
         from areal_like.models.lite_tokenizer import LiteTokenizer
 
         return LiteTokenizer(path)
