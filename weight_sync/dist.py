@@ -580,6 +580,10 @@ class DistWeightSender(WeightSender):
             self._shm.close()
 
 
+class _ShmUnreadable(Exception):
+    """The plan names a staging file this receiver cannot read (`_receive_buckets`)."""
+
+
 def _worker_of(receiver_id: str, server: str) -> bool:
     """Whether `receiver_id` is one of `server`'s engine workers (`{server}-w{rank}`)."""
     head, sep, rank = receiver_id.rpartition("-w")
@@ -805,10 +809,13 @@ class DistWeightReceiver(WeightReceiver):
             if layout != self._layout or self._flat is None or self._flat.device != wire:
                 self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=wire)
                 self._layout = layout
-            digests = self._receive_buckets(meta, layout, seq, generation, plan.get("shm"))
-            stats.lane = "shm" if plan.get("shm") else ("nccl" if wire.type == "cuda" else "gloo")
             refusal = spec_error
-            got = checksum(meta.tensors, digests)
+            try:
+                digests = self._receive_buckets(meta, layout, seq, generation, plan.get("shm"))
+            except _ShmUnreadable as e:  # a local refusal: the others still activate the version
+                digests, refusal = [], refusal or WeightSyncError(str(e))
+            stats.lane = "shm" if plan.get("shm") else ("nccl" if wire.type == "cuda" else "gloo")
+            got = checksum(meta.tensors, digests) if refusal is None else ""
             if refusal is None and got != meta.checksum:
                 refusal = WeightSyncError(
                     f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
@@ -833,7 +840,13 @@ class DistWeightReceiver(WeightReceiver):
             raise WeightSyncError(f"weight stream header {header.tolist()} does not match the meta {want}")
         slots = layout.slots
         if shm_path is not None:  # the sender's staging file holds this version until the vote
-            self._flat.copy_(self._shm.open(shm_path, layout.total_bytes))
+            try:
+                staged = self._shm.open(shm_path, layout.total_bytes)
+            except OSError as e:  # gone (another host's cleanup, a full tmpfs): take the broadcast from now on
+                self._sees_shm = False
+                raise _ShmUnreadable(f"cannot read the weight sender's staging file ({e}); keeping the old "
+                                     f"weights, and taking the broadcast from the next version") from e
+            self._flat.copy_(staged)
             return [layout.slot_digest(self._flat, slot) for slot in slots]
         digests: list[bytes] = []
         in_flight: deque[tuple[Any, int]] = deque()

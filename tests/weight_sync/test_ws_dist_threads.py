@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -123,6 +124,27 @@ def test_bytes_changed_in_the_shared_memory_file_are_refused_by_the_checksum(sen
     assert isinstance(got, WeightSyncError) and "checksum mismatch" in str(got)
     stats = sender.wait()
     assert stats is not None and stats.lane == "shm" and stats.accepted == 0
+    r.close()
+
+
+def test_a_staging_file_that_vanished_is_refused_and_the_broadcast_takes_over(sender: DistWeightSender) -> None:
+    """Another process removed the sender's file (a cleanup that took the sender for dead):
+    the receiver keeps its weights that version, says so, and stops offering the lane, so
+    the next version comes by the broadcast."""
+    r = _receiver("r")
+    r.connect(sender.store_addr)
+    sender.wait_for_receivers(1)
+    meta = sender.send(1, _tensors(1).items())
+    assert sender._shm.path is not None
+    Path(sender._shm.path).unlink()
+    got = _deliver(meta, [r])["r"]
+    assert isinstance(got, WeightSyncError) and "staging file" in str(got), got
+    stats = sender.wait()
+    assert stats is not None and stats.lane == "shm" and stats.accepted == 0 and stats.receivers == ["r"]
+    got = _deliver(sender.send(2, _tensors(2).items()), [r])["r"]
+    assert all(torch.equal(t, _tensors(2)[n]) for n, t, _ in got), got
+    stats = sender.wait()
+    assert stats is not None and stats.ok and stats.lane == "gloo" and stats.generation == 1
     r.close()
 
 
