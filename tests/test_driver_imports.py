@@ -38,3 +38,22 @@ def test_the_quickstart_driver_never_imports_torch(tmp_path: Path) -> None:
     line = out.stdout[out.stdout.index("DRIVER TORCH:"):]
     assert line.startswith("DRIVER TORCH: never"), line
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_what_the_rollout_sides_event_loop_imports_is_torch_free() -> None:
+    """`areal-like rollout` runs its controller in the CLI's own process, which never needs
+    torch. An import of torch inside its event loop (the first weight update once reached
+    `weight_sync.meta`) stalls the loop for 2 s or more, and a trainer with a short
+    `transport.peer_dead_s` declared the side lost. This pins the modules it imports (and
+    the weight-sync names it reads) torch-free; the slow suite's resume tests
+    (tests/test_lifecycle_processes.py, weight sync under 2 s) catch an import inside a call."""
+    code = ("import sys\n"
+            "import weight_sync\n"
+            "from weight_sync.base import NotAMemberError, TransferStats, WeightSyncError\n"
+            "import areal_like.orchestration.server_pool, areal_like.orchestration.rollout_controller\n"
+            "import train_cluster.worker_group\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False"]

@@ -265,10 +265,13 @@ class ServerPool:
             asyncio.get_running_loop().create_task(self._leave(name, self._rendezvous))
 
     async def _leave(self, name: str, rendezvous: str) -> None:
-        from weight_sync.dist import leave_group
+        def leave() -> None:  # the import (torch) happens here too, off the event loop
+            from weight_sync.dist import leave_group
+
+            leave_group(rendezvous, name)
 
         try:
-            await asyncio.to_thread(leave_group, rendezvous, name)
+            await asyncio.to_thread(leave)
             log.info("rollout server %s left the weight group", name)
         except Exception as e:  # the trainer may be gone too; its timeout still applies
             log.warning("could not record that %s left the weight group: %s", name, e)
@@ -381,7 +384,7 @@ class ServerWeights:
     async def apply(self, meta: WeightUpdateMeta) -> int:
         """Every server receives version `meta.version` from the trainer itself (each
         interrupts, drops its KV, loads, re-prefills and resumes by itself)."""
-        from weight_sync.meta import WeightSyncError
+        from weight_sync.base import WeightSyncError  # torch-free: this runs on the rollout side's event loop
 
         manager = self.manager
         async with self._lock:
