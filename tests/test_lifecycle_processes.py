@@ -156,8 +156,13 @@ def test_a_trainer_killed_between_checkpoints_resumes_with_every_token_true(tiny
     recs = [r for r in _records(run_dir) if r["kind"] == "train_step" and not r["skipped"]]
     assert all(r["max_version_lag"] >= 0 for r in recs), [r["max_version_lag"] for r in recs]
     assert max(_weight_sync_seconds(run_dir), default=0.0) < 2.0, _weight_sync_seconds(run_dir)
+    # The kill may land while the dead trainer's last version is on the wire: that update
+    # fails on its reset sockets and the servers keep the version before (expected). Any
+    # other failed update, and any handshake trouble with the resumed trainer, is a bug.
+    lines = [x for x in (out_t + out_r + _run_log(run_dir)).splitlines()
+             if not ("still serving" in x and "Connection reset by peer" in x)]
     for word in ("NotAMemberError", "not ready within", "nothing sent", "still serving"):
-        assert word not in out_t + out_r + _run_log(run_dir), word
+        assert not [x for x in lines if word in x], word
     audit = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "audit", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True, env=_env(), timeout=600)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
