@@ -197,6 +197,37 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _AppendLog:
+    """Reader of an append-only log on the store (joins, leaves, one transfer's ready list).
+
+    A writer takes an index with `add("{prefix}/n", 1)` and then sets `{prefix}/{i}`: two
+    operations. One killed between them leaves a hole, and `get` on it would wait the
+    store's whole timeout and then fail the transfer (a server SIGKILLed as it announced
+    readiness held a trainer 60 s and lost that version). The reader takes what is there,
+    remembers the holes and looks at them again on the next read.
+    """
+
+    def __init__(self, ctl: dist.Store, prefix: str) -> None:
+        self.ctl = ctl
+        self.prefix = prefix
+        self.seen = 0
+        self.holes: list[int] = []
+
+    def read_new(self) -> list[str]:
+        n = self.ctl.add(f"{self.prefix}/n", 0)
+        todo = self.holes + list(range(self.seen + 1, n + 1))
+        self.seen = max(self.seen, n)
+        out: list[str] = []
+        self.holes = []
+        for i in todo:
+            key = f"{self.prefix}/{i}"
+            if self.ctl.check([key]):
+                out.append(self.ctl.get(key).decode())
+            else:
+                self.holes.append(i)
+        return out
+
+
 class _Membership:
     """The sender's view of who is in the weight group, and the rules that decide it.
 
@@ -223,8 +254,8 @@ class _Membership:
         self.first_receivers_s = min(5.0, self.timeout_s)
         """How long a sender that never had a receiver waits for the first ones to join
         and be ready (a resumed trainer's first version), instead of sending to nobody."""
-        self.joins_seen = 0
-        self.leaves_seen = 0
+        self.joins = _AppendLog(ctl, "join")
+        self.leaves = _AppendLog(ctl, "leave")
         self.shm_ready: set[str] = set()
         """Members of the last gathered transfer that said they read the sender's
         shared-memory files (`weight_sync/shm.py`)."""
@@ -245,11 +276,11 @@ class _Membership:
         self.read_registrations()
         ready: dict[str, str] = {}  # receiver id -> incarnation
         shm_ready: set[str] = set()
+        ready_log = _AppendLog(ctl, f"x{seq}/ready")
 
         def read_ready() -> None:
-            n = ctl.add(f"x{seq}/ready/n", 0)
-            for i in range(len(ready) + 1, n + 1):
-                rid, incarnation, *flags = ctl.get(f"x{seq}/ready/{i}").decode().split(" ")
+            for line in ready_log.read_new():
+                rid, incarnation, *flags = line.split(" ")
                 ready[rid] = incarnation
                 if "shm" in flags:
                     shm_ready.add(rid)
@@ -299,21 +330,15 @@ class _Membership:
         returns who left since the last read."""
         assert self.ctl is not None
         left: set[str] = set()
-        n = self.ctl.add("join/n", 0)
-        for i in range(self.joins_seen + 1, n + 1):
-            rid = self.ctl.get(f"join/{i}").decode()
+        for rid in self.joins.read_new():
             if rid not in self.known:
                 self.known.append(rid)
-        self.joins_seen = n
-        n = self.ctl.add("leave/n", 0)
-        for i in range(self.leaves_seen + 1, n + 1):
-            server = self.ctl.get(f"leave/{i}").decode()
+        for server in self.leaves.read_new():
             # A server leaves by its name; a vLLM server's workers are members of their
             # own, `{name}-w{rank}`: they leave with it.
             gone = {r for r in self.known if r == server or _worker_of(r, server)} | {server}
             left |= gone
             self.known = [r for r in self.known if r not in gone]
-        self.leaves_seen = n
         return left
 
 
