@@ -18,6 +18,12 @@ distribution-free, so it does not lean on normality with 8 seeds). scipy is not 
 the t quantile and the t CDF are computed here (regularised incomplete beta, Lentz's continued
 fraction) and tested against tabulated values (tests/test_staleness_stats.py).
 
+Along the run (`--eval-every N`): each run also evaluates every N versions (the same held-out
+rows, the same sampling seeds per version for both objectives), and the mean of its curve
+over versions N, 2N, …, steps is paired per seed beside the final accuracy. Two objectives
+can end on the same plateau after different paths; the curve's mean tells which one learns
+faster from stale samples (a staleness correction exists to keep that speed).
+
 Also per cell, from the train-step records (what the objective did, #34): the version lag
 reached (a bound only bites if the rollout runs ahead), the mean |log π_prox − log π_behav|,
 |log π_θ − log π_prox| and |log π_θ − log π_behav|, the largest behaviour weight, the share of
@@ -27,10 +33,12 @@ the CPU that other processes used meanwhile is recorded per run.
 
     python bench/staleness_ablation.py                      # the full grid: 2 × 4 × 2 × 8 = 128 runs
     python bench/staleness_ablation.py --configs configs/quickstart.yaml --etas 8 --seeds 0,1,2,3 --steps 20
+    python bench/staleness_ablation.py --configs configs/quickstart.yaml --etas 4,8 --eval-every 5
     python bench/staleness_ablation.py --jobs 7 ...   # 7 runs at once on a many-core machine
     python bench/staleness_ablation.py --smoke   # quickstart, η 2, decoupled, one seed, 2 steps of 2 prompts
 
-Writes `staleness_ablation.png` (accuracy ± 95 % CI per η, and the paired difference) and
+Writes `staleness_ablation.png` (accuracy ± 95 % CI per η, and the paired difference), with
+`--eval-every` also `staleness_curves.png` (the mean curves per η), and
 `staleness_ablation.md` (the tables) to the output folder; without `--smoke` and unless
 `--no-doc`, the tables also replace the generated part of the "Staleness ablation" section of
 docs/benchmarks.md. Progress on stderr; the last stdout line is one JSON object (bench/_record.py).
@@ -176,7 +184,7 @@ def paired(a: list[float], b: list[float], level: float = 0.95) -> dict[str, Any
 
 # ---- the runs ----------------------------------------------------------------------------------
 
-def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int) -> list[str]:
+def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int, eval_every: int = 0) -> list[str]:
     return [
         f"staleness.max_staleness={eta}",
         f"train.loss.naive_ppo_ablation={'true' if mode == 'naive' else 'false'}",
@@ -186,7 +194,7 @@ def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int) -> l
         "run.checkpoint_every_n_steps=1000",
         "run.record_trajectories=false",
         "run.record_weights=false",
-        "eval.every_n_steps=0",  # evaluate the final version only
+        f"eval.every_n_steps={eval_every}",  # 0: the final version only
         f"eval.num_samples={eval_samples}",
         "rollout.server_threads=1",
         "train.backend.threads=1",
@@ -194,6 +202,19 @@ def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int) -> l
         # would make the rollout the bottleneck, and a bound the lag never reaches tests nothing.
         "staleness.filter_uniform_groups=false",
     ]
+
+
+def curve_stats(run_dir: Path, every: int, steps: int) -> dict[str, Any]:
+    """Held-out accuracy along the run (`--eval-every`): the version -> accuracy curve and
+    `curve_mean`, the mean over the evaluations at versions every, 2·every, …, steps (the
+    area under the learning curve: how fast an objective learns from stale samples, where
+    the final version alone can show two objectives that reached the same plateau)."""
+    evals = {r["version"]: r["accuracy"] for r in records(run_dir) if r["kind"] == "eval"}
+    if not every:
+        return {"eval_curve": evals, "curve_mean": None, "curve_points": 0}
+    due = [v for v in range(every, steps + 1, every)] + ([steps] if steps % every else [])
+    got = [evals[v] for v in due if v in evals]
+    return {"eval_curve": evals, "curve_mean": statistics.mean(got) if got else None, "curve_points": len(got)}
 
 
 def weight_stats(run_dir: Path) -> dict[str, float]:
@@ -208,21 +229,28 @@ def weight_stats(run_dir: Path) -> dict[str, float]:
 
 def tabulate(runs: list[dict[str, Any]], configs: list[str], etas: list[int], modes: list[str]
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(cells, pairs): per (config, η, mode) means with 95 % intervals; per (config, η) the paired test."""
+    """(cells, pairs): per (config, η, mode) means with 95 % intervals; per (config, η) the
+    paired test, of the final accuracy (`metric: final`) and, where the runs evaluated along
+    the way (`--eval-every`), of the curve's mean (`metric: curve`)."""
     cells, pairs = [], []
     for cfg, eta in itertools.product(configs, etas):
         by_mode: dict[str, dict[int, float]] = {}
+        by_mode_curve: dict[str, dict[int, float]] = {}
         for mode in modes:
             rs = [r for r in runs if r["config"] == cfg and r["eta"] == eta and r["mode"] == mode]
             if not rs:
                 continue
             acc = {r["seed"]: r["eval_accuracy"] for r in rs if r["eval_accuracy"] is not None}
+            curve = {r["seed"]: r["curve_mean"] for r in rs if r.get("curve_mean") is not None}
             by_mode[mode] = acc
+            by_mode_curve[mode] = curve
             m, lo, hi = mean_ci(list(acc.values())) if acc else (None, None, None)
+            cm, clo, chi = mean_ci(list(curve.values())) if curve else (None, None, None)
             row: dict[str, Any] = {
                 "config": cfg, "eta": eta, "mode": mode, "seeds": len(rs),
                 "accuracy_mean": _r(m), "accuracy_ci": [_r(lo), _r(hi)],
                 "accuracy_spread": _r(max(acc.values()) - min(acc.values())) if acc else None,
+                "curve_mean": _r(cm), "curve_ci": [_r(clo), _r(chi)],
                 "reward_mean": _r(statistics.mean(r["final_reward"] for r in rs)),
                 "mean_version_lag": _r(statistics.mean(r["mean_version_lag"] for r in rs), 2),
                 "max_version_lag": max(r["max_version_lag"] for r in rs),
@@ -234,11 +262,12 @@ def tabulate(runs: list[dict[str, Any]], configs: list[str], etas: list[int], mo
             for short in STEP_MEANS.values():
                 row[short] = _r(statistics.mean(r.get(short, 0.0) for r in rs), 5)
             cells.append(row)
-        for base, other in (("naive", "decoupled"), ("naive", "decoupled_mask")):
-            if base in by_mode and other in by_mode:
-                seeds = sorted(set(by_mode[base]) & set(by_mode[other]))
-                pairs.append({"config": cfg, "eta": eta, "a": base, "b": other, "seeds": seeds,
-                              **paired([by_mode[base][s] for s in seeds], [by_mode[other][s] for s in seeds])})
+        for metric, values in (("final", by_mode), ("curve", by_mode_curve)):
+            for base, other in (("naive", "decoupled"), ("naive", "decoupled_mask")):
+                if values.get(base) and values.get(other):
+                    seeds = sorted(set(values[base]) & set(values[other]))
+                    pairs.append({"config": cfg, "eta": eta, "a": base, "b": other, "metric": metric, "seeds": seeds,
+                                  **paired([values[base][s] for s in seeds], [values[other][s] for s in seeds])})
     return cells, pairs
 
 
@@ -252,22 +281,31 @@ def _f(x: float | None, nd: int = 3, sign: bool = False) -> str:
 
 def markdown(cells: list[dict[str, Any]], pairs: list[dict[str, Any]], command: str, note: str) -> str:
     """The two tables (per cell, and the paired test per η) as markdown."""
+    curves = any(c.get("curve_mean") is not None for c in cells)
     out = [f"`{command}` ({note})", "",
-           "| config | η | objective | seeds | held-out accuracy, mean [95 % CI] | lag mean/max "
+           "| config | η | objective | seeds | held-out accuracy, mean [95 % CI] "
+           + ("| along the run (curve mean) [95 % CI] " if curves else "") + "| lag mean/max "
            "| w max | cut share | clip frac | abs(θ−prox) | abs(prox−behav) | mean abs(A) | A = 0 |",
-           "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| --- | ---: | --- | ---: | --- " + ("| --- " if curves else "")
+           + "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in cells:
         lo, hi = c["accuracy_ci"]
+        curve = ""
+        if curves:
+            clo, chi = c.get("curve_ci", [None, None])
+            curve = f"| {_f(c.get('curve_mean'))} [{_f(clo)}, {_f(chi)}] "
         out.append(f"| {c['config']} | {c['eta']} | {c['mode']} | {c['seeds']} | {_f(c['accuracy_mean'])} "
-                   f"[{_f(lo)}, {_f(hi)}] | {_f(c['mean_version_lag'], 2)}/{c['max_version_lag']} "
+                   f"[{_f(lo)}, {_f(hi)}] {curve}| {_f(c['mean_version_lag'], 2)}/{c['max_version_lag']} "
                    f"| {_f(c['behav_weight_max'], 2)} | {_f(c['cut_frac'], 4)} | {_f(c['clip_frac'], 4)} "
                    f"| {_f(c['theta_prox_gap'], 4)} | {_f(c['prox_gap_mean'], 4)} | {_f(c['adv_abs_mean'], 3)} "
                    f"| {_f(c['adv_zero_frac'], 3)} |")
-    out += ["", "| config | η | paired difference (b − a) | seeds | mean [95 % t-interval] | b better | p (t) "
-                "| p (sign-flip) |", "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]
+    out += ["", "| config | η | held-out accuracy | paired difference (b − a) | seeds | mean [95 % t-interval] "
+                "| b better | p (t) | p (sign-flip) |", "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | ---: |"]
+    what = {"final": "final version", "curve": "along the run"}
     for p in pairs:
         lo, hi = p.get("diff_ci", [None, None])
-        out.append(f"| {p['config']} | {p['eta']} | {p['b']} − {p['a']} | {p['n']} | {_f(p.get('diff_mean'), 3, True)} "
+        out.append(f"| {p['config']} | {p['eta']} | {what[p['metric']]} | {p['b']} − {p['a']} | {p['n']} "
+                   f"| {_f(p.get('diff_mean'), 3, True)} "
                    f"[{_f(lo, 3, True)}, {_f(hi, 3, True)}] | {p.get('b_wins', '—')}/{p['n']} "
                    f"| {_f(p.get('p_t'), 3)} | {_f(p.get('p_signflip'), 3)} |")
     return "\n".join(out) + "\n"
@@ -307,7 +345,8 @@ def plot(cells: list[dict[str, Any]], pairs: list[dict[str, Any]], configs: list
         ax.set_ylabel("held-out accuracy (95 % CI)")
         ax.legend(fontsize=8)
         for k, b in enumerate(("decoupled", "decoupled_mask")):
-            rows = [p for p in pairs if p["config"] == cfg and p["b"] == b and "diff_mean" in p]
+            rows = [p for p in pairs if p["config"] == cfg and p["b"] == b and p["metric"] == "final"
+                    and "diff_mean" in p]
             if rows:
                 ys = [p["diff_mean"] for p in rows]
                 err = [[y - p["diff_ci"][0] for y, p in zip(ys, rows, strict=True)],
@@ -319,6 +358,47 @@ def plot(cells: list[dict[str, Any]], pairs: list[dict[str, Any]], configs: list
         dx.set_ylabel("paired difference (95 % CI)")
         dx.set_xticks(etas)
         dx.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_curves(runs: list[dict[str, Any]], configs: list[str], etas: list[int], modes: list[str],
+                path: Path) -> None:
+    """Held-out accuracy along the run (`--eval-every`): per config and η, each objective's
+    mean over seeds with its 95 % interval at every evaluated version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(configs), len(etas), figsize=(3.6 * len(etas), 3.2 * len(configs)),
+                             squeeze=False, sharey=True)
+    colors = {"naive": "tab:orange", "decoupled": "tab:blue", "decoupled_mask": "tab:green"}
+    for i, cfg in enumerate(configs):
+        for j, eta in enumerate(etas):
+            ax = axes[i][j]
+            for mode in modes:
+                rs = [r for r in runs if r["config"] == cfg and r["eta"] == eta and r["mode"] == mode]
+                versions = sorted({int(v) for r in rs for v in r["eval_curve"]})
+                xs, ys, los, his = [], [], [], []
+                for v in versions:
+                    vals = [r["eval_curve"][v] for r in rs if v in r["eval_curve"]]
+                    if len(vals) == len(rs):
+                        m, lo, hi = mean_ci(vals)
+                        xs.append(v)
+                        ys.append(m)
+                        los.append(lo if lo is not None else m)
+                        his.append(hi if hi is not None else m)
+                if xs:
+                    ax.plot(xs, ys, "o-", color=colors[mode], ms=3, label=mode.replace("_", " "))
+                    ax.fill_between(xs, los, his, color=colors[mode], alpha=0.2)
+            ax.set_title(f"{cfg}, η = {eta}", fontsize=9)
+            ax.set_xlabel("version (train steps)")
+            if j == 0:
+                ax.set_ylabel("held-out accuracy (95 % CI)")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -338,6 +418,8 @@ def main() -> None:
     ap.add_argument("--modes", default="naive,decoupled", help=f"objectives, from {','.join(MODES)}")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-samples", type=int, default=256)
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also evaluate every N versions, and test the curve's mean (0: the final version only)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run (repeatable)")
     ap.add_argument("--out", default=None,
@@ -348,7 +430,8 @@ def main() -> None:
                     help="runs at once (a machine with many cores; each run uses about 2)")
     args, recorder = _record.parse(ap, __file__, smoke={"configs": "configs/quickstart.yaml", "etas": "2",
                                                          "seeds": "0", "modes": "decoupled", "steps": 2,
-                                                         "eval_samples": 8, "sets": ["train.batch_size=2"],
+                                                         "eval_samples": 8, "eval_every": 1,
+                                                         "sets": ["train.batch_size=2"],
                                                          "jobs": 2})  # the pool's path too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     configs = [c for c in args.configs.split(",") if c]
@@ -379,7 +462,8 @@ def main() -> None:
             return
         log.info("[%d/%d] %s η=%d %s seed %d ...", k, len(order), config_name(cfg), eta, mode, seed)
         t = time.time()
-        cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples), *args.sets], run_dir)
+        cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples, args.eval_every),
+                            *args.sets], run_dir)
         done_file.write_text(json.dumps(cpu))
         log.info("    done: %s η=%d %s seed %d in %.0f s", config_name(cfg), eta, mode, seed, time.time() - t)
 
@@ -401,7 +485,7 @@ def main() -> None:
         run_dir = run_dir_of(cfg, eta, mode, seed)
         cpu = json.loads((run_dir.parent / f"{run_dir.name}.cpu.json").read_text())
         s = {"config": config_name(cfg), "eta": eta, "mode": mode, "seed": seed, **summarise(run_dir),
-             **weight_stats(run_dir), **cpu}
+             **weight_stats(run_dir), **curve_stats(run_dir, args.eval_every, args.steps), **cpu}
         runs.append(s)
         log.info("%s η=%d %s seed %d: accuracy %s, train reward %.3f, lag max %d (mean %.2f), cut %.4f, "
                  "clip %.4f, |θ−prox| %.4f, %.1f s, other CPU %.2f cores", s["config"], eta, mode, seed,
@@ -411,7 +495,9 @@ def main() -> None:
     cells, pairs = tabulate(runs, names, etas, modes)
     other = statistics.median(r["other_cores"] for r in runs)
     md = markdown(cells, pairs, recorder.command,
-                  f"{args.steps} steps, other processes {other:.2f} cores (median)")
+                  f"{args.steps} steps"
+                  + (f", evaluated every {args.eval_every}" if args.eval_every else "")
+                  + f", other processes {other:.2f} cores (median)")
     print(md, file=sys.stderr)
     (out / "staleness_ablation.md").write_text(md)
     result: dict[str, Any] = {
@@ -422,7 +508,8 @@ def main() -> None:
         "extra_sets": args.sets,
         "table": cells,
         "paired": pairs,
-        "paired_diff": {f"{p['config']}.eta{p['eta']}.{p['b']}": (
+        "eval_every": args.eval_every,
+        "paired_diff": {f"{p['config']}.eta{p['eta']}.{p['b']}" + ("" if p["metric"] == "final" else ".curve"): (
             f"{p['diff_mean']:+.3f} [{p['diff_ci'][0]:+.3f}, {p['diff_ci'][1]:+.3f}] p={p['p_signflip']:.3f}")
             for p in pairs if "diff_mean" in p},
         "runs": runs,
@@ -439,6 +526,9 @@ def main() -> None:
             result[f"{name}.{mode}_accuracy_drop_eta{hi}_vs_eta{lo}"] = round(a_lo - a_hi, 4)
     plot(cells, pairs, names, etas, modes, out / "staleness_ablation.png")
     result["plot"] = str(out / "staleness_ablation.png")
+    if args.eval_every:
+        plot_curves(runs, names, etas, modes, out / "staleness_curves.png")
+        result["plot_curves"] = str(out / "staleness_curves.png")
     if not args.smoke and not args.no_doc:
         write_doc(md)
         result["doc"] = str(DOC.relative_to(ROOT))

@@ -76,9 +76,41 @@ def test_tabulate_pairs_by_seed_and_plots(tmp_path: Path) -> None:
     assert p8["seeds"] == [0, 1, 2, 3] and p8["diff_mean"] == pytest.approx(0.02)
     assert p8["b_wins"] == 4 and p8["p_signflip"] == pytest.approx(2 / 16, abs=1e-4)
     md = sa.markdown(cells, pairs, "python bench/staleness_ablation.py", "test")
-    assert "| quickstart | 8 | decoupled − naive | 4 | +0.020" in md
+    assert "| quickstart | 8 | final version | decoupled − naive | 4 | +0.020" in md
+    assert "along the run" not in md  # no curve without --eval-every
     sa.plot(cells, pairs, ["quickstart"], [0, 8], ["naive", "decoupled"], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_the_curve_mean_is_paired_beside_the_final_accuracy(tmp_path: Path) -> None:
+    """With --eval-every, each run's held-out curve is averaged over the due versions and
+    that mean is tested per seed beside the final version's accuracy: two objectives that
+    end on the same plateau can still differ in how fast they got there."""
+    import json
+
+    runs = []
+    for m in ("naive", "decoupled"):
+        for s in range(4):
+            d = tmp_path / f"{m}{s}"
+            d.mkdir()
+            # Both end at 0.9; decoupled is 0.1 ahead at versions 5 and 10. v0 and v7 are not due.
+            curve = {0: 0.5, 5: 0.6 + (0.1 if m == "decoupled" else 0) + 0.01 * s, 7: 0.1,
+                     10: 0.7 + (0.1 if m == "decoupled" else 0), 15: 0.9}
+            (d / "metrics.jsonl").write_text("".join(
+                json.dumps({"kind": "eval", "version": v, "accuracy": a}) + "\n" for v, a in curve.items()))
+            c = sa.curve_stats(d, 5, 15)
+            assert c["curve_points"] == 3
+            runs.append({**_run("quickstart", 8, m, s, 0.9), **c})
+    cells, pairs = sa.tabulate(runs, ["quickstart"], [8], ["naive", "decoupled"])
+    final = next(p for p in pairs if p["metric"] == "final")
+    curve = next(p for p in pairs if p["metric"] == "curve")
+    assert final["diff_mean"] == pytest.approx(0.0) and curve["diff_mean"] == pytest.approx(0.2 / 3, abs=1e-4)
+    assert next(c for c in cells if c["mode"] == "naive")["curve_mean"] == pytest.approx((0.6 + 0.015 + 0.7 + 0.9) / 3,
+                                                                                          abs=1e-4)
+    md = sa.markdown(cells, pairs, "cmd", "test")
+    assert "| quickstart | 8 | along the run | decoupled − naive | 4 | +0.067" in md
+    sa.plot_curves(runs, ["quickstart"], [8], ["naive", "decoupled"], tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_write_doc_replaces_only_the_marked_part(tmp_path: Path) -> None:
