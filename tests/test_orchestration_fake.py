@@ -109,10 +109,11 @@ class HeldRollout(FakeRollout):
 
 
 def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None = None, seed: int = 0,
-         eta: int = 1, weights: FakeWeights | None = None, colocate: bool = False):
+         eta: int = 1, weights: FakeWeights | None = None, colocate: bool = False,
+         rollout: FakeRollout | None = None, extra: tuple[str, ...] = ()):
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"train.total_steps={steps}", "train.batch_size=2",
                              "rollout.group_size=4", f"staleness.max_staleness={eta}", "run.record_trajectories=true",
-                             "run.checkpoint_every_n_steps=3", f"cluster.colocate={str(colocate).lower()}"])
+                             "run.checkpoint_every_n_steps=3", f"cluster.colocate={str(colocate).lower()}", *extra])
     rd = RunDir(cfg.run.dir)
     rd.prepare(cfg, resume=resume)
     puller = DataPuller("tcp://127.0.0.1:0")
@@ -123,7 +124,7 @@ def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None
     if resume:
         tc.resume()
 
-    fake = HeldRollout(seed) if colocate else FakeRollout(seed, fail_rate=0.05, reject_rate=0.05)
+    fake = rollout or (HeldRollout(seed) if colocate else FakeRollout(seed, fail_rate=0.05, reject_rate=0.05))
 
     def rollout_thread() -> None:
         async def main() -> None:
@@ -189,6 +190,27 @@ def test_a_policy_running_away_from_its_sampler_is_said_on_the_console(tmp_path,
         _run(tmp_path, 8, trainer=FakeTrainer(gap=0.6))
     said = [r.getMessage() for r in caplog.records if "nats per token away" in r.getMessage()]
     assert len(said) == 1 and "lower train.lr" in said[0].lower(), said
+
+
+class CollapsingRollout(FakeRollout):
+    """Episodes right 90 % of the time until the servers load v6, then 5 %: a policy that broke."""
+
+    async def score(self, row, out) -> float:
+        return 1.0 if self.rng.random() < (0.9 if self.version < 6 else 0.05) else 0.0
+
+
+def test_a_collapse_hidden_by_stale_batches_is_said_on_the_console(tmp_path, caplog) -> None:
+    """At η = 4 the trained batches lag the servers by up to 4 versions: when the newest
+    episodes' reward falls from 0.9 to 0.05, the trainer says so once, with the step to
+    resume from, before the trained reward has fallen."""
+    with caplog.at_level(logging.WARNING, logger="areal_like.orchestration.trainer_policies"):
+        _, rd, summary, _ = _run(tmp_path, 14, eta=4, rollout=CollapsingRollout(0),
+                                 extra=("staleness.filter_uniform_groups=false",))
+    said = [r.getMessage() for r in caplog.records if "newest episodes' reward fell" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "η=4" in said[0] and "or earlier" in said[0], said[0]
+    steps = [r for r in read_jsonl(rd.metrics) if r["kind"] == "train_step"]
+    assert any(r["reward_mean_all_groups"] < 0.3 for r in steps if "reward_mean_all_groups" in r)
 
 
 def test_without_colocate_nothing_is_held(tmp_path) -> None:

@@ -352,6 +352,43 @@ def test_a_policy_drifting_from_the_sampler_is_said_once_per_doubling() -> None:
     assert rules.trained({}) is None  # a step without the statistic (a backend that does not log it)
 
 
+# The newest episodes' reward per step in two runs of the staleness ablation (η = 8, the
+# quickstart, 2026-11-27): a decoupled run that collapsed at step 28 (held-out 0.35 at the
+# end, the trained batches still ~0.9) and a healthy naive run.
+COLLAPSED = [0.52, 0.31, 0.66, 0.45, 0.55, 0.73, 0.53, 0.63, 0.75, 0.81, 0.78, 0.94, 0.67, 0.92, 0.91, 0.72,
+             0.83, 0.95, 0.88, 0.7, 0.92, 0.8, 0.89, 0.88, 0.95, 0.88, 0.72, 0.34, 0.53, 0.11]
+HEALTHY = [0.59, 0.62, 0.56, 0.56, 0.46, 0.57, 0.62, 0.61, 0.69, 0.68, 0.8, 0.77, 0.69, 0.68, 0.8, 0.78, 0.81,
+           0.77, 0.69, 0.73, 0.84, 0.85, 0.69, 0.64, 0.83, 0.72, 0.77]
+
+
+def test_a_collapse_the_stale_batches_hide_is_said_once() -> None:
+    """The newest episodes' reward (3-step mean) 0.3 under its best: one line naming both,
+    η and the steps the trained reward lags, what to lower and the checkpoint to resume
+    from; nothing for a healthy run, nothing while it stays down, again after a recovery."""
+    rules = StopRules(_cfg("staleness.max_staleness=8"), "r")
+
+    def feed(series: list[float], trained: float = 0.9, start: int = 1) -> list[tuple[int, str]]:
+        out = []
+        for k, fresh in enumerate(series, start):
+            line = rules.sampled({"step": k, "reward_mean": trained, "reward_mean_all_groups": fresh})
+            if line is not None:
+                out.append((k, line))
+        return out
+
+    assert feed(HEALTHY) == []
+    rules = StopRules(_cfg("staleness.max_staleness=8"), "r")
+    said = feed(COLLAPSED)
+    assert [k for k, _ in said] == [29], said
+    line = said[0][1]
+    assert "fell to 0.53" in line and "from 0.91 at step 25" in line, line
+    assert "η=8" in line and "still score 0.90" in line and "about 8 steps" in line
+    assert "staleness.max_staleness" in line and "train.lr" in line and "step 25 or earlier" in line
+    assert feed([0.1, 0.1, 0.12], start=31) == []  # still down: said once
+    assert feed([0.9, 0.9, 0.9], start=34) == []  # recovered: armed again
+    assert [k for k, _ in feed([0.2, 0.2, 0.2], start=37)] == [38]
+    assert rules.sampled({"step": 41}) is None  # a step with no finished episodes since the last
+
+
 def test_the_eval_target_is_reached_once() -> None:
     rules = StopRules(_cfg("train.stop_at_eval_accuracy=0.5", "eval.every_n_steps=1"), "r")
 

@@ -284,6 +284,9 @@ class TrainerController:
                 if hold_wait is not None:
                     rec["colocate_wait_s"] = hold_wait
                 self.telemetry.sampled_reward(rec)
+                fell = self.rules.sampled(rec)
+                if fell is not None:
+                    self.notes.warn(fell)
                 if not skipped and self._due(cfg.weight_sync.every_n_steps):
                     self._publish_weights(rec)
                 else:

@@ -31,7 +31,7 @@ from areal_like.core.types import RolloutStats, VersionAnnouncement, WeightUpdat
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_errors import RunAborted, RunFailed
-from areal_like.orchestration.watch import DriftWatch, FailureNotes, SignalWatch, WaitNotes
+from areal_like.orchestration.watch import DriftWatch, FailureNotes, FreshRewardWatch, SignalWatch, WaitNotes
 
 __all__ = ["Announcer", "Checkpointer", "ColocateHold", "ConsoleNotes", "ReportLog", "RunEnd", "StopRules",
            "StragglerPolicy", "WeightFeed"]
@@ -518,6 +518,7 @@ class StopRules:
         self.cfg = cfg
         self.signal = SignalWatch(reward_name, max_no_signal_s=cfg.agent.max_no_signal_s)
         self.drift = DriftWatch(eta=cfg.staleness.max_staleness, lr=cfg.train.lr)
+        self.fresh = FreshRewardWatch(eta=cfg.staleness.max_staleness, lr=cfg.train.lr)
         self.skips_in_a_row = 0
         self.target_reached: tuple[int, float] | None = None
         """(version, accuracy) of the evaluation that reached `train.stop_at_eval_accuracy`."""
@@ -526,6 +527,10 @@ class StopRules:
         """A step was applied: a line to say if the policy drifts from the sampler's."""
         self.skips_in_a_row = 0
         return self.drift.step(stats)
+
+    def sampled(self, rec: dict[str, Any]) -> str | None:
+        """A step's record with the newest episodes' reward: a line if that reward fell far."""
+        return self.fresh.step(rec)
 
     def skipped(self, v: int, resume_hint: Callable[[], str]) -> None:
         """The step at v was skipped: said in the log; raises `RunAborted` at the limit."""

@@ -16,6 +16,11 @@ it and prints or raises what it returns.
   |log π_prox − log π_behav|, nats per token). In the staleness ablation the runs whose
   gap stayed above a few tenths of a nat lost held-out accuracy, decoupled PPO most
   (docs/benchmarks.md, "A faster learning rate"); nothing said so while they ran.
+- `FreshRewardWatch`: the newest episodes' reward falling far below where it was. With
+  η > 0 the batch being trained was sampled up to η versions ago, so the trained reward
+  shows a policy that broke only η versions later. In the staleness ablation at η = 8,
+  decoupled runs collapsed late (the newest episodes at 0.1–0.5 while the trained batches
+  still scored ~0.9) and nothing on the console said so.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 from areal_like.core.types import EpisodeFailures, RolloutStats, TrajectoryGroup
 
-__all__ = ["SignalWatch", "FailureNotes", "WaitNotes", "DriftWatch"]
+__all__ = ["SignalWatch", "FailureNotes", "WaitNotes", "DriftWatch", "FreshRewardWatch"]
 
 
 def _values(counts: Counter[float], most: int = 4) -> str:
@@ -159,3 +164,49 @@ class DriftWatch:
                 "the policy moves further per version than the stale data can follow; in the staleness ablation "
                 "runs like this lost held-out accuracy (decoupled PPO most). Lower train.lr or "
                 "staleness.max_staleness (docs/staleness.md)")
+
+
+class FreshRewardWatch:
+    """One line when the reward of the newest episodes (`reward_mean_all_groups`: every
+    trajectory finished since the last step, filtered groups included) falls `drop` or
+    more below its best, each a mean over `window` steps; again only after it came back
+    within half of that. It compares the fresh reward with its own past, not with the
+    trained batch's, because the trained mean leaves out filtered groups (all right, or
+    all wrong) and sits away from the fresh one in a healthy run."""
+
+    def __init__(self, *, eta: int, lr: float, drop: float = 0.3, window: int = 3) -> None:
+        self.eta = eta
+        self.lr = lr
+        self.drop = drop
+        self.window = window
+        self._recent: list[float] = []
+        self._best: tuple[float, int] | None = None
+        self._armed = True
+
+    def step(self, rec: dict[str, Any]) -> str | None:
+        fresh = rec.get("reward_mean_all_groups")
+        if fresh is None:
+            return None
+        self._recent = [*self._recent[-(self.window - 1):], float(fresh)]
+        if len(self._recent) < self.window:
+            return None
+        now = sum(self._recent) / self.window
+        step = int(rec.get("step", 0))
+        if self._best is None or now > self._best[0]:
+            self._best = (now, step)
+        best, at = self._best
+        if not self._armed:
+            if best - now <= self.drop / 2:
+                self._armed = True
+            return None
+        if best - now < self.drop:
+            return None
+        self._armed = False
+        trained = rec.get("reward_mean")
+        stale = (f" The batches being trained were sampled up to η={self.eta} versions ago"
+                 + (f" and still score {trained:.2f}" if trained is not None else "")
+                 + f", so the trained reward will show this only about {self.eta} steps from now.") if self.eta else ""
+        return (f"the newest episodes' reward fell to {now:.2f} (mean of the last {self.window} steps) from "
+                f"{best:.2f} at step {at}: the policy got worse.{stale} In the staleness ablation runs like "
+                f"this had collapsed (docs/staleness.md). Lower staleness.max_staleness or train.lr "
+                f"(now {self.lr:g}), or resume from a checkpoint of step {at} or earlier")
