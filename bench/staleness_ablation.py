@@ -23,6 +23,12 @@ rows, the same sampling seeds per version for both objectives), and the mean of 
 over versions N, 2N, …, steps is paired per seed beside the final accuracy. Two objectives
 can end on the same plateau after different paths; the curve's mean tells which one learns
 faster from stale samples (a staleness correction exists to keep that speed).
+Evaluations during a run share its rollout servers: they slow the rollout side, and the
+lag a run reaches shrinks (3.6 of η = 8 with one every 5 versions, against 6.7 without).
+`--eval-after N` keeps the run as it is: each run saves its versions
+(`run.record_weights`), and `areal-like eval RUN --versions every:N` scores them after it
+(the same rows and sampling seeds as an evaluation during the run; the saved weights are
+deleted afterwards).
 
 Also per cell, from the train-step records (what the objective did, #34): the version lag
 reached (a bound only bites if the rollout runs ahead), the mean |log π_prox − log π_behav|,
@@ -34,8 +40,10 @@ the CPU that other processes used meanwhile is recorded per run.
     python bench/staleness_ablation.py                      # the full grid: 2 × 4 × 2 × 8 = 128 runs
     python bench/staleness_ablation.py --configs configs/quickstart.yaml --etas 8 --seeds 0,1,2,3 --steps 20
     python bench/staleness_ablation.py --configs configs/quickstart.yaml --etas 4,8 --eval-every 5
+    python bench/staleness_ablation.py --configs configs/quickstart.yaml --etas 4,8 --eval-after 5
     python bench/staleness_ablation.py --jobs 7 ...   # 7 runs at once on a many-core machine
-    python bench/staleness_ablation.py --smoke   # quickstart, η 2, decoupled, one seed, 2 steps of 2 prompts
+    python bench/staleness_ablation.py --smoke   # quickstart, η 2, decoupled, one seed, 2 steps of 2 prompts,
+                                                 # each version evaluated after the run
 
 Writes `staleness_ablation.png` (accuracy ± 95 % CI per η, and the paired difference), with
 `--eval-every` also `staleness_curves.png` (the mean curves per η), and
@@ -184,7 +192,8 @@ def paired(a: list[float], b: list[float], level: float = 0.95) -> dict[str, Any
 
 # ---- the runs ----------------------------------------------------------------------------------
 
-def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int, eval_every: int = 0) -> list[str]:
+def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int, eval_every: int = 0,
+             record_weights: bool = False) -> list[str]:
     return [
         f"staleness.max_staleness={eta}",
         f"train.loss.naive_ppo_ablation={'true' if mode == 'naive' else 'false'}",
@@ -193,7 +202,7 @@ def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int, eval
         f"train.total_steps={steps}",
         "run.checkpoint_every_n_steps=1000",
         "run.record_trajectories=false",
-        "run.record_weights=false",
+        f"run.record_weights={'true' if record_weights else 'false'}",  # --eval-after evaluates them
         f"eval.every_n_steps={eval_every}",  # 0: the final version only
         f"eval.num_samples={eval_samples}",
         "rollout.server_threads=1",
@@ -210,11 +219,31 @@ def curve_stats(run_dir: Path, every: int, steps: int) -> dict[str, Any]:
     area under the learning curve: how fast an objective learns from stale samples, where
     the final version alone can show two objectives that reached the same plateau)."""
     evals = {r["version"]: r["accuracy"] for r in records(run_dir) if r["kind"] == "eval"}
+    offline = run_dir / "offline_eval.jsonl"
+    if offline.is_file():  # --eval-after: the saved versions, evaluated after the run
+        evals.update({r["version"]: r["accuracy"] for r in map(json.loads, offline.read_text().splitlines())})
     if not every:
         return {"eval_curve": evals, "curve_mean": None, "curve_points": 0}
     due = [v for v in range(every, steps + 1, every)] + ([steps] if steps % every else [])
     got = [evals[v] for v in due if v in evals]
     return {"eval_curve": evals, "curve_mean": statistics.mean(got) if got else None, "curve_points": len(got)}
+
+
+def evaluate_after(run_dir: Path, every: int, samples: int) -> None:
+    """`areal-like eval` on the run's saved versions N, 2N, … (and the last), as a user runs it;
+    the saved weights are removed afterwards (they are the run's largest files)."""
+    import shutil
+    import subprocess
+
+    out = run_dir / "offline_eval.jsonl"
+    if out.exists():
+        out.unlink()
+    p = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "eval", str(run_dir),
+                        "--versions", f"every:{every}", "--num-samples", str(samples)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"areal-like eval {run_dir} failed ({p.returncode}): {p.stderr[-2000:]}")
+    shutil.rmtree(run_dir / "weights", ignore_errors=True)
 
 
 def weight_stats(run_dir: Path) -> dict[str, float]:
@@ -420,6 +449,9 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=256)
     ap.add_argument("--eval-every", type=int, default=0,
                     help="also evaluate every N versions, and test the curve's mean (0: the final version only)")
+    ap.add_argument("--eval-after", type=int, default=0,
+                    help="as --eval-every, but each run saves its versions and `areal-like eval` scores every N-th "
+                         "after the run: the evaluations do not slow the rollout side, so the lag is the run's own")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run (repeatable)")
     ap.add_argument("--out", default=None,
@@ -430,7 +462,7 @@ def main() -> None:
                     help="runs at once (a machine with many cores; each run uses about 2)")
     args, recorder = _record.parse(ap, __file__, smoke={"configs": "configs/quickstart.yaml", "etas": "2",
                                                          "seeds": "0", "modes": "decoupled", "steps": 2,
-                                                         "eval_samples": 8, "eval_every": 1,
+                                                         "eval_samples": 8, "eval_after": 1,
                                                          "sets": ["train.batch_size=2"],
                                                          "jobs": 2})  # the pool's path too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -439,6 +471,9 @@ def main() -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     out = _record.out_dir(args.out, "staleness_ablation", args.smoke)
     modes = [m for m in args.modes.split(",") if m]
+    if args.eval_every and args.eval_after:
+        ap.error("--eval-every and --eval-after: pick one")
+    curve_every = args.eval_every or args.eval_after
     unknown = set(modes) - set(MODES)
     if unknown:
         ap.error(f"unknown --modes {sorted(unknown)}; pick from {','.join(MODES)}")
@@ -462,8 +497,10 @@ def main() -> None:
             return
         log.info("[%d/%d] %s η=%d %s seed %d ...", k, len(order), config_name(cfg), eta, mode, seed)
         t = time.time()
-        cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples, args.eval_every),
-                            *args.sets], run_dir)
+        cpu = run_cli(cfg, [*sets_for(eta, mode, seed, args.steps, args.eval_samples, args.eval_every,
+                                      record_weights=bool(args.eval_after)), *args.sets], run_dir)
+        if args.eval_after:
+            evaluate_after(run_dir, args.eval_after, args.eval_samples)
         done_file.write_text(json.dumps(cpu))
         log.info("    done: %s η=%d %s seed %d in %.0f s", config_name(cfg), eta, mode, seed, time.time() - t)
 
@@ -485,7 +522,7 @@ def main() -> None:
         run_dir = run_dir_of(cfg, eta, mode, seed)
         cpu = json.loads((run_dir.parent / f"{run_dir.name}.cpu.json").read_text())
         s = {"config": config_name(cfg), "eta": eta, "mode": mode, "seed": seed, **summarise(run_dir),
-             **weight_stats(run_dir), **curve_stats(run_dir, args.eval_every, args.steps), **cpu}
+             **weight_stats(run_dir), **curve_stats(run_dir, curve_every, args.steps), **cpu}
         runs.append(s)
         log.info("%s η=%d %s seed %d: accuracy %s, train reward %.3f, lag max %d (mean %.2f), cut %.4f, "
                  "clip %.4f, |θ−prox| %.4f, %.1f s, other CPU %.2f cores", s["config"], eta, mode, seed,
@@ -497,6 +534,7 @@ def main() -> None:
     md = markdown(cells, pairs, recorder.command,
                   f"{args.steps} steps"
                   + (f", evaluated every {args.eval_every}" if args.eval_every else "")
+                  + (f", every {args.eval_after}-th version evaluated after the run" if args.eval_after else "")
                   + f", other processes {other:.2f} cores (median)")
     print(md, file=sys.stderr)
     (out / "staleness_ablation.md").write_text(md)
@@ -509,6 +547,7 @@ def main() -> None:
         "table": cells,
         "paired": pairs,
         "eval_every": args.eval_every,
+        "eval_after": args.eval_after,
         "paired_diff": {f"{p['config']}.eta{p['eta']}.{p['b']}" + ("" if p["metric"] == "final" else ".curve"): (
             f"{p['diff_mean']:+.3f} [{p['diff_ci'][0]:+.3f}, {p['diff_ci'][1]:+.3f}] p={p['p_signflip']:.3f}")
             for p in pairs if "diff_mean" in p},
@@ -526,7 +565,7 @@ def main() -> None:
             result[f"{name}.{mode}_accuracy_drop_eta{hi}_vs_eta{lo}"] = round(a_lo - a_hi, 4)
     plot(cells, pairs, names, etas, modes, out / "staleness_ablation.png")
     result["plot"] = str(out / "staleness_ablation.png")
-    if args.eval_every:
+    if curve_every:
         plot_curves(runs, names, etas, modes, out / "staleness_curves.png")
         result["plot_curves"] = str(out / "staleness_curves.png")
     if not args.smoke and not args.no_doc:

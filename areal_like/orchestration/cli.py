@@ -337,6 +337,29 @@ def audit(
     )
 
 
+@app.command("eval")
+def eval_cmd(
+    run_dir: Path = typer.Argument(..., help="A run folder (run.dir) of a run with run.record_weights=true."),
+    versions: str = typer.Option("all", help="Versions to evaluate: all, every:N (N, 2N, ... and the last), "
+                                             "or a comma list."),
+    num_samples: int = typer.Option(None, help="Held-out problems per version (default: the run's eval.num_samples)."),
+    set_: list[str] = typer.Option([], "--set", help="Config override for the evaluation, KEY=VALUE (repeatable)."),
+) -> None:
+    """Held-out accuracy of a run's saved versions, after the run: the run's own held-out rows
+    and sampling seeds, on its rollout servers, without slowing the run (docs/staleness.md)."""
+    from areal_like.orchestration.offline_eval import OfflineEvalError, evaluate_run
+
+    def show(rec: dict) -> None:
+        typer.echo(f"v{rec['version']}: held-out accuracy {rec['accuracy']:.3f} "
+                   f"({rec['num_samples']} problems, {rec['seconds']:.1f}s)")
+
+    try:
+        results = evaluate_run(run_dir, versions, num_samples, set_, on_result=show)
+    except (OfflineEvalError, ConfigError) as e:
+        _fail(str(e))
+    typer.echo(f"{len(results)} versions evaluated; results appended to {run_dir / 'offline_eval.jsonl'}")
+
+
 @app.command()
 def report(
     run_dir: Path = typer.Argument(..., help="A run folder (run.dir)."),
