@@ -207,6 +207,6 @@ class FreshRewardWatch:
                  + (f" and still score {trained:.2f}" if trained is not None else "")
                  + f", so the trained reward will show this only about {self.eta} steps from now.") if self.eta else ""
         return (f"the newest episodes' reward fell to {now:.2f} (mean of the last {self.window} steps) from "
-                f"{best:.2f} at step {at}: the policy got worse.{stale} In the staleness ablation runs like "
+                f"{best:.2f} at step {at}: the policy got worse.{stale} In the staleness ablation, runs like "
                 f"this had collapsed (docs/staleness.md). Lower staleness.max_staleness or train.lr "
                 f"(now {self.lr:g}), or resume from a checkpoint of step {at} or earlier")
