@@ -201,30 +201,36 @@ class _AppendLog:
     """Reader of an append-only log on the store (joins, leaves, one transfer's ready list).
 
     A writer takes an index with `add("{prefix}/n", 1)` and then sets `{prefix}/{i}`: two
-    operations. One killed between them leaves a hole, and `get` on it would wait the
-    store's whole timeout and then fail the transfer (a server SIGKILLed as it announced
-    readiness held a trainer 60 s and lost that version). The reader takes what is there,
-    remembers the holes and looks at them again on the next read.
+    operations, microseconds apart. One killed between them leaves a hole, and `get` on it
+    waited the store's whole timeout and then failed the transfer (a server SIGKILLed as it
+    announced readiness held a trainer 60 s and lost that version). The reader waits at
+    most `grace_s` for a new index's key, as a writer that is alive sets it at once: a
+    receiver in the middle of joining is still waited for. A key still missing after that
+    is a dead writer's hole, looked at again on each later read without waiting.
     """
 
-    def __init__(self, ctl: dist.Store, prefix: str) -> None:
+    def __init__(self, ctl: dist.Store, prefix: str, grace_s: float = 1.0) -> None:
         self.ctl = ctl
         self.prefix = prefix
+        self.grace_s = grace_s
         self.seen = 0
         self.holes: list[int] = []
 
     def read_new(self) -> list[str]:
         n = self.ctl.add(f"{self.prefix}/n", 0)
-        todo = self.holes + list(range(self.seen + 1, n + 1))
-        self.seen = max(self.seen, n)
         out: list[str] = []
-        self.holes = []
-        for i in todo:
+        for i in range(self.seen + 1, n + 1):
             key = f"{self.prefix}/{i}"
-            if self.ctl.check([key]):
+            if _poll(lambda key=key: self.ctl.check([key]), time.monotonic() + self.grace_s):
                 out.append(self.ctl.get(key).decode())
             else:
                 self.holes.append(i)
+        self.seen = max(self.seen, n)
+        for i in list(self.holes):  # a dead writer's hole (or one that came back to life)
+            key = f"{self.prefix}/{i}"
+            if self.ctl.check([key]):
+                self.holes.remove(i)
+                out.append(self.ctl.get(key).decode())
         return out
 
 
