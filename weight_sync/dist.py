@@ -260,6 +260,8 @@ class _Membership:
         self.first_receivers_s = min(5.0, self.timeout_s)
         """How long a sender that never had a receiver waits for the first ones to join
         and be ready (a resumed trainer's first version), instead of sending to nobody."""
+        self.settle_s = min(0.2, self.timeout_s / 10)
+        """A first transfer is planned once no receiver has joined for this long."""
         self.joins = _AppendLog(ctl, "join")
         self.leaves = _AppendLog(ctl, "leave")
         self.shm_ready: set[str] = set()
@@ -291,16 +293,24 @@ class _Membership:
                 if "shm" in flags:
                     shm_ready.add(rid)
 
+        if not self.had_receivers and self.known:
+            self._settle_joins(deadline)
         first = not self.known and not self.had_receivers
         if first:
             # A sender that never had a receiver (a trainer just started or resumed, whose
             # store the rollout side learns from this very announcement): give receivers a
             # moment to join and be ready, rather than send to nobody and leave them
             # waiting, NotAMemberError, for the next version.
+            joins = [0, time.monotonic()]  # known receivers, and when that number last changed
+
             def joined_and_ready() -> bool:
                 self.read_registrations()
                 read_ready()
-                return bool(self.known) and set(self.known) <= ready.keys()
+                now = time.monotonic()
+                if len(self.known) != joins[0]:
+                    joins[:] = [len(self.known), now]
+                return (bool(self.known) and set(self.known) <= ready.keys()
+                        and now - joins[1] >= self.settle_s)
 
             _poll(lambda: joined_and_ready() or self.forget_now.is_set(),
                   min(deadline, time.monotonic() + self.first_receivers_s))
@@ -330,6 +340,23 @@ class _Membership:
         self.had_receivers |= bool(members)
         self.shm_ready = shm_ready & set(members)
         return members, restarted
+
+    def _settle_joins(self, deadline: float) -> None:
+        """A sender that never had a receiver (a trainer just started or resumed): its
+        receivers learn its store from one announcement and join within moments of each
+        other. Wait (≤ `first_receivers_s`) until no join has come for `settle_s`, so the
+        first transfer waits for all of them, not only for the first to have joined (the
+        others got NotAMemberError and missed the resumed trainer's first version)."""
+        joins = [len(self.known), time.monotonic()]
+
+        def settled() -> bool:
+            self.read_registrations()
+            now = time.monotonic()
+            if len(self.known) != joins[0]:
+                joins[:] = [len(self.known), now]
+            return now - joins[1] >= self.settle_s
+
+        _poll(lambda: settled() or self.forget_now.is_set(), min(deadline, time.monotonic() + self.first_receivers_s))
 
     def read_registrations(self) -> set[str]:
         """Apply the join and leave logs receivers append to (the store cannot list keys);
