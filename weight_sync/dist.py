@@ -1,8 +1,11 @@
 """Dist transport: a dedicated torch.distributed group (trainer rank 0 + every rollout engine).
 
-Why one file of ~840 lines: the sender, the receiver and the membership/rendezvous
-protocol they share (store keys, the plan, the 6-int header, the commit allreduce) change
-together; split apart, each half would restate the wire format the other must match.
+Why one file of ~950 lines: the sender, the receiver and the membership/rendezvous
+protocol they share (store keys and their append-only logs, the plan, the 6-int header,
+the commit allreduce) change together; split apart, each half would restate the wire
+format the other must match. The log writers (`_register`, the ready line, `leave_group`)
+and their reader (`_AppendLog`) must agree on the two-step append, which is why they
+stay side by side (docs/design.md §10.35).
 
 Why a group built by hand: the trainer already has a default process group (DDP/FSDP)
 and `init_process_group` can run once per process; `ray.util.collective` reuses the
