@@ -40,7 +40,8 @@ BENCH_KEYS = {
     # #29: both lanes measured (same-host shared memory, and the broadcast other hosts get)
     "weight_sync.py": {"ratio_to_raw_broadcast", "broadcast_lane_ratio_to_raw_broadcast"},
     # #34: the paired test per η
-    "staleness_ablation.py": {"paired", "paired_diff", "table", "plot_curves"},  # the smoke evaluates along the run
+    # the smoke evaluates along the run, and its objective is a --variant
+    "staleness_ablation.py": {"paired", "paired_diff", "table", "plot_curves", "variants"},
 }
 
 

@@ -113,6 +113,30 @@ def test_the_curve_mean_is_paired_beside_the_final_accuracy(tmp_path: Path) -> N
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
+def test_a_variant_is_an_objective_of_its_own_paired_with_naive(tmp_path: Path) -> None:
+    """`--variant NAME=BASE,KEY=VALUE` adds an objective to the grid: its runs are tabulated
+    and paired with naive per seed like decoupled's, and plotted beside them."""
+    assert sa.parse_variant("tight=decoupled,train.loss.eps_clip=0.1, train.lr=5e-5") == (
+        "tight", "decoupled", ["train.loss.eps_clip=0.1", "train.lr=5e-5"])
+    for bad, why in (("tight", "expected NAME=BASE"), ("tight=", "expected NAME=BASE"),
+                     ("tight=ppo,train.lr=1", "BASE must be naive or decoupled"),
+                     ("tight=decoupled,train.lr", "not KEY=VALUE"), ("a b=decoupled", "expected NAME=BASE"),
+                     ("decoupled=decoupled,train.lr=1", "built-in")):
+        with pytest.raises(ValueError, match=why):
+            sa.parse_variant(bad)
+    modes = ["naive", "decoupled", "tight"]
+    runs = [_run("quickstart", 8, m, s, 0.5 + 0.01 * s + {"naive": 0.0, "decoupled": 0.02, "tight": 0.05}[m])
+            for m in modes for s in range(4)]
+    cells, pairs = sa.tabulate(runs, ["quickstart"], [8], modes)
+    assert [c["mode"] for c in cells] == modes
+    by_b = {p["b"]: p for p in pairs}
+    assert set(by_b) == {"decoupled", "tight"} and all(p["a"] == "naive" for p in pairs)
+    assert by_b["tight"]["diff_mean"] == pytest.approx(0.05) and by_b["tight"]["b_wins"] == 4
+    assert "| quickstart | 8 | final version | tight − naive | 4 | +0.050" in sa.markdown(cells, pairs, "cmd", "t")
+    sa.plot(cells, pairs, ["quickstart"], [8], modes, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
 def test_write_doc_replaces_only_the_marked_part(tmp_path: Path) -> None:
     doc = tmp_path / "b.md"
     doc.write_text(f"# x\nprose\n{sa.DOC_BEGIN}\nold\n{sa.DOC_END}\nmore prose\n")
