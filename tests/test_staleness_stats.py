@@ -113,6 +113,28 @@ def test_the_curve_mean_is_paired_beside_the_final_accuracy(tmp_path: Path) -> N
     assert (tmp_path / "c.png").stat().st_size > 1000
 
 
+def test_a_late_fall_is_counted_per_cell(tmp_path: Path) -> None:
+    """A run whose final version sits FALL_AT or more under its best evaluated version fell;
+    the cell counts them, and shows the mean of each run's largest late step."""
+    import json
+
+    runs = []
+    for s, final in enumerate((0.9, 0.9, 0.6, 0.76)):  # seeds 2 and 3 fell from 0.92: by 0.32 and 0.16
+        d = tmp_path / f"r{s}"
+        d.mkdir()
+        steps = [{"kind": "train_step", "step": k, "theta_prox_gap": 0.05 if k == 8 else 0.01} for k in range(1, 10)]
+        evals = [{"kind": "eval", "version": v, "accuracy": a} for v, a in ((3, 0.7), (6, 0.92), (9, final))]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
+        c = sa.curve_stats(d, 3, 9)
+        assert c["fall"] == pytest.approx(0.92 - final)
+        w = sa.weight_stats(d)
+        assert w["step_move_late_max"] == pytest.approx(0.05)
+        runs.append({**_run("quickstart", 8, "decoupled", s, final), **c, "step_move_late_max": 0.05})
+    cells, _ = sa.tabulate(runs, ["quickstart"], [8], ["decoupled"])
+    assert cells[0]["falls"] == 2 and cells[0]["step_move_late_max"] == pytest.approx(0.05)
+    assert "| 2/4 | 0.0500 |" in sa.markdown(cells, [], "cmd", "t")
+
+
 def test_a_variant_is_an_objective_of_its_own_paired_with_naive(tmp_path: Path) -> None:
     """`--variant NAME=BASE,KEY=VALUE` adds an objective to the grid: its runs are tabulated
     and paired with naive per seed like decoupled's, and plotted beside them."""
