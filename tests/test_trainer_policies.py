@@ -383,6 +383,7 @@ def test_a_collapse_the_stale_batches_hide_is_said_once() -> None:
     assert "fell to 0.53" in line and "from 0.91 at step 25" in line, line
     assert "η=8" in line and "still score 0.90" in line and "about 8 steps" in line
     assert "staleness.max_staleness" in line and "train.lr" in line and "step 25 or earlier" in line
+    assert "train.loss.eps_clip=0.1 and train.lr_schedule=cosine" in line  # the measured setting, η ≥ 4
     assert feed([0.1, 0.1, 0.12], start=31) == []  # still down: said once
     assert feed([0.9, 0.9, 0.9], start=34) == []  # recovered: armed again
     assert [k for k, _ in feed([0.2, 0.2, 0.2], start=37)] == [38]
@@ -412,3 +413,19 @@ def test_console_notes_print_steps_with_the_last_eval_and_say_waits() -> None:
     assert not notes.due()  # a line was just printed
     notes.say("data for step 3")
     assert said == ["data for step 3"]
+
+
+def test_the_fall_line_names_the_measured_setting_only_where_it_applies() -> None:
+    """At η ≥ 4 the line gives the setting that kept the ablation's runs from falling, unless
+    the run already uses it; at η = 2 (where it was not better) it does not."""
+    def line_for(*sets: str) -> str:
+        rules = StopRules(_cfg(*sets), "r")
+        said = [rules.sampled({"step": k, "reward_mean": 0.9, "reward_mean_all_groups": f})
+                for k, f in enumerate(COLLAPSED, 1)]
+        return next(x for x in said if x is not None)
+
+    hint = "train.loss.eps_clip=0.1 and train.lr_schedule=cosine"
+    assert hint in line_for("staleness.max_staleness=4")
+    assert hint in line_for("staleness.max_staleness=8", "train.lr_schedule=cosine")  # ε still 0.2
+    assert hint not in line_for("staleness.max_staleness=8", "train.lr_schedule=cosine", "train.loss.eps_clip=0.1")
+    assert hint not in line_for("staleness.max_staleness=2")

@@ -174,9 +174,12 @@ class FreshRewardWatch:
     trained batch's, because the trained mean leaves out filtered groups (all right, or
     all wrong) and sits away from the fresh one in a healthy run."""
 
-    def __init__(self, *, eta: int, lr: float, drop: float = 0.3, window: int = 3) -> None:
+    def __init__(self, *, eta: int, lr: float, drop: float = 0.3, window: int = 3, eps_clip: float = 0.2,
+                 lr_schedule: str = "constant") -> None:
         self.eta = eta
         self.lr = lr
+        self.eps_clip = eps_clip
+        self.lr_schedule = lr_schedule
         self.drop = drop
         self.window = window
         self._recent: list[float] = []
@@ -206,7 +209,11 @@ class FreshRewardWatch:
         stale = (f" The batches being trained were sampled up to η={self.eta} versions ago"
                  + (f" and still score {trained:.2f}" if trained is not None else "")
                  + f", so the trained reward will show this only about {self.eta} steps from now.") if self.eta else ""
+        # What kept every ablation run at η 4 and 8 from falling (docs/staleness.md, #34).
+        setting = (" With η ≥ 4, train.loss.eps_clip=0.1 and train.lr_schedule=cosine kept every staleness "
+                   f"ablation run from falling (now {self.eps_clip:g} and {self.lr_schedule})."
+                   if self.eta >= 4 and (self.eps_clip > 0.1 or self.lr_schedule == "constant") else "")
         return (f"the newest episodes' reward fell to {now:.2f} (mean of the last {self.window} steps) from "
                 f"{best:.2f} at step {at}: the policy got worse.{stale} In the staleness ablation, runs like "
-                f"this had collapsed (docs/staleness.md). Lower staleness.max_staleness or train.lr "
+                f"this had collapsed (docs/staleness.md).{setting} Lower staleness.max_staleness or train.lr "
                 f"(now {self.lr:g}), or resume from a checkpoint of step {at} or earlier")
