@@ -96,7 +96,7 @@ DOC_END = "<!-- staleness-ablation:end -->"
 STEP_MEANS = {
     "behav_prox_gap": "prox_gap_mean", "theta_prox_gap": "theta_prox_gap", "theta_behav_gap": "theta_behav_gap",
     "behav_cut_frac": "cut_frac", "clip_frac": "clip_frac", "dual_clip_frac": "dual_clip_frac",
-    "adv_abs_mean": "adv_abs_mean", "adv_zero_frac": "adv_zero_frac",
+    "adv_abs_mean": "adv_abs_mean", "adv_zero_frac": "adv_zero_frac", "neg_behav_clip_frac": "neg_behav_clip_frac",
 }
 
 

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 STAT_KEYS = (
     "version", "skipped", "skipped_total", "loss", "pg_loss", "kl", "clip_frac", "behav_weight_mean",
     "behav_weight_max", "behav_capped", "behav_masked", "behav_prox_gap", "behav_cut_frac", "dual_clip_frac",
+    "neg_behav_clip_frac",
     "theta_prox_gap", "theta_behav_gap", "adv_abs_mean", "adv_zero_frac", "entropy", "grad_norm",
     "lr", "tokens_per_s", "num_seqs", "num_tokens", "num_loss_tokens", "mini_batches_applied",
     "step_time_s", "prox_time_s", "fwd_bwd_time_s", "optimizer_time_s",
@@ -54,14 +55,15 @@ What the objective did (#34), each a mean over the step's loss tokens: `behav_cu
 the share whose behaviour weight left [lower, cap] (capped or masked; `behav_capped` and
 `behav_masked` are the counts), `clip_frac` the share where the PPO clip around π_old
 bound (π_prox, or π_behav in the naive ablation), `dual_clip_frac` the dual clip's share,
+`neg_behav_clip_frac` the share of A < 0 tokens whose gradient `neg_behav_clip` stopped,
 `behav_prox_gap` / `theta_prox_gap` / `theta_behav_gap` the mean |Δ log π| between the
 behaviour, proximal and current policies (θ as each mini-batch's forward sees it: 0 on the
 first mini-batch), `adv_abs_mean` the mean |A| and `adv_zero_frac` the share with A = 0."""
 
 # Indices into the summed statistics vector of one step.
-_N_S = 16
+_N_S = 17
 (_S_LOSS, _S_PG, _S_KL, _S_CLIP, _S_W, _S_CAP, _S_MASK, _S_GAP, _S_ENT, _S_TOK, _S_NUM, _S_DUAL, _S_TPGAP,
- _S_TBGAP, _S_ADV, _S_ADV0) = range(_N_S)
+ _S_TBGAP, _S_ADV, _S_ADV0, _S_NBC) = range(_N_S)
 
 
 def lr_factor(step: int, *, schedule: str, warmup: int, total: int) -> float:
@@ -197,6 +199,7 @@ class TrainEngine(ABC):
             "behav_prox_gap": sums[_S_GAP].item() / tok,
             "behav_cut_frac": (sums[_S_CAP].item() + sums[_S_MASK].item()) / tok,
             "dual_clip_frac": sums[_S_DUAL].item() / tok,
+            "neg_behav_clip_frac": sums[_S_NBC].item() / tok,
             "theta_prox_gap": sums[_S_TPGAP].item() / tok,
             "theta_behav_gap": sums[_S_TBGAP].item() / tok,
             "adv_abs_mean": sums[_S_ADV].item() / tok,
@@ -297,7 +300,7 @@ class TrainEngine(ABC):
             eps_clip=loss_cfg.eps_clip, eps_clip_high=loss_cfg.eps_clip_high,
             behav_weight_cap=loss_cfg.behav_weight_cap, behav_weight_mode=loss_cfg.behav_weight_mode,
             naive_ppo_ablation=loss_cfg.naive_ppo_ablation, dual_clip_c=loss_cfg.dual_clip_c,
-            behav_weight_lower=loss_cfg.behav_weight_lower,
+            behav_weight_lower=loss_cfg.behav_weight_lower, neg_behav_clip=loss_cfg.neg_behav_clip,
         )
         seq_index = mb.seq_index().to(dev)
         seq_counts = mb.seq_loss_tokens().to(dev)
@@ -321,7 +324,7 @@ class TrainEngine(ABC):
                 terms.capped.sum(), terms.masked.sum(), ((prox - behav).abs() * mask).sum(), ent_sum,
                 mask.sum(), torch.tensor(float(mb.num_seqs), device=dev), terms.dual_clipped.sum(),
                 ((lp.detach() - prox).abs() * mask).sum(), ((lp.detach() - behav).abs() * mask).sum(),
-                (adv.abs() * mask).sum(), ((adv == 0).to(mask.dtype) * mask).sum(),
+                (adv.abs() * mask).sum(), ((adv == 0).to(mask.dtype) * mask).sum(), terms.behav_clipped.sum(),
             ]).double().cpu()
             w_max = (terms.behav_weight * mask).max().double().cpu().reshape(1)
         return loss, sums, w_max

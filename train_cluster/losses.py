@@ -135,6 +135,8 @@ class PPOTerms:
     """1 where w exceeded the cap and the token was dropped (mode `mask`)."""
     dual_clipped: torch.Tensor
     """1 where the dual clip (A < 0, objective below c·A) bound the objective."""
+    behav_clipped: torch.Tensor
+    """1 where `neg_behav_clip` stopped the gradient (A < 0, π_θ/π_behav below 1 − ε_b)."""
 
 
 def decoupled_ppo_loss(
@@ -151,6 +153,7 @@ def decoupled_ppo_loss(
     naive_ppo_ablation: bool = False,
     dual_clip_c: float | None = None,
     behav_weight_lower: float | None = None,
+    neg_behav_clip: float | None = None,
 ) -> PPOTerms:
     """Per-token decoupled PPO loss (see the module docstring for the formula).
 
@@ -166,7 +169,16 @@ def decoupled_ppo_loss(
     the gradient is zero where the bound binds (`dual_clipped`). `behav_weight_lower`
     (< 1): w below it is raised to it (`cap`) or its token dropped (`mask`); such
     tokens are counted in `capped` / `masked` like those above the cap.
+
+    `neg_behav_clip` (ε_b in (0, 1)): for A < 0, no gradient once π_θ/π_behav < 1 − ε_b,
+    i.e. once the policy has already moved that far away from a bad token since it was
+    sampled (`behav_clipped`). The proximal clip alone re-opens its ε-window every step, so
+    a stale negative token is pushed down again at each version it waits; naive PPO's clip
+    stops at 1 − ε around π_behav. The objective keeps its value (the loss is unchanged),
+    only its gradient stops; A > 0 tokens are untouched.
     """
+    if neg_behav_clip is not None and not 0.0 < neg_behav_clip < 1.0:
+        raise ValueError(f"neg_behav_clip must be in (0, 1), got {neg_behav_clip}")
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
     if behav_weight_lower is not None and not 0.0 <= behav_weight_lower < 1.0:
@@ -190,6 +202,14 @@ def decoupled_ppo_loss(
     else:
         dual_clipped = torch.zeros_like(mask)
 
+    if neg_behav_clip is not None:
+        log_to_behav = torch.where(mask > 0, logprobs.detach() - behav_logprobs.detach(), torch.zeros_like(logprobs))
+        stop = (advantages < 0) & (log_to_behav < torch.log1p(torch.tensor(-neg_behav_clip))) & (mask > 0)
+        objective = torch.where(stop, objective.detach(), objective)
+        behav_clipped = stop.to(logprobs.dtype)
+    else:
+        behav_clipped = torch.zeros_like(mask)
+
     zeros = torch.zeros_like(mask)
     if naive_ppo_ablation:
         w = torch.ones_like(mask)
@@ -210,7 +230,7 @@ def decoupled_ppo_loss(
             w = torch.where(over, torch.zeros_like(w), w)
     loss = -(w * objective) * mask
     return PPOTerms(loss=loss, mask=mask, clipped=clipped, behav_weight=w, capped=capped, masked=masked,
-                    dual_clipped=dual_clipped)
+                    dual_clipped=dual_clipped, behav_clipped=behav_clipped)
 
 
 def masked_normalize(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-5) -> torch.Tensor:

@@ -175,3 +175,24 @@ def test_masked_normalize_by_hand() -> None:
     assert out.tolist() == pytest.approx([0.0, 1 / s, 1 / s, 0.0, -2 / s, 0.0], rel=1e-6)
     # eps keeps a uniform batch finite: all advantages become 0.
     assert masked_normalize(torch.ones(3), torch.ones(3)).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_neg_behav_clip_stops_pushing_down_what_the_policy_already_left() -> None:
+    # π_θ = π_prox on every token (the step's first mini-batch), so the proximal clip never binds.
+    # Token 0: A < 0 and π_θ/π_behav = e^-0.5 = 0.61 < 1 - 0.2: the policy already left this bad token
+    # since it was sampled -> no gradient. Token 1: A < 0, π_θ/π_behav = e^-0.1 = 0.90: still pushed.
+    # Token 2: A > 0 with the same 0.61: untouched (the clip is for negative advantages only).
+    lp = torch.zeros(3, requires_grad=True)
+    prox = torch.zeros(3)
+    behav = torch.tensor([0.5, 0.1, 0.5])
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    off = decoupled_ppo_loss(lp, prox, behav, adv, torch.ones(3), eps_clip=0.2)
+    t = decoupled_ppo_loss(lp, prox, behav, adv, torch.ones(3), eps_clip=0.2, neg_behav_clip=0.2)
+    assert t.loss.tolist() == pytest.approx(off.loss.tolist())  # the value is kept, only the gradient stops
+    assert t.behav_clipped.tolist() == [1.0, 0.0, 0.0] and off.behav_clipped.sum() == 0
+    t.loss.sum().backward()
+    w = [math.exp(-0.5), math.exp(-0.1), math.exp(-0.5)]
+    assert lp.grad.tolist() == pytest.approx([0.0, w[1], -w[2]], rel=1e-6)
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="neg_behav_clip"):
+            decoupled_ppo_loss(lp, prox, behav, adv, torch.ones(3), neg_behav_clip=bad)

@@ -17,6 +17,18 @@ def _weights(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in engine.named_weights()}
 
 
+def test_neg_behav_clip_is_counted_on_negative_advantage_tokens_only(tiny_model_dir, trajs) -> None:
+    """`train.loss.neg_behav_clip` reaches the loss and its share is reported: some tokens with
+    A < 0 that the policy had already left since sampling, and never more than those with A < 0."""
+    cfg = TrainConfig(token_budget=64, mini_batches=2, loss=LossConfig(neg_behav_clip=0.01))
+    engine = TorchTrainEngine(tiny_model_dir, cfg)
+    batch = build_batch(trajs(), cfg.loss)
+    stats = engine.train_step(batch)
+    m = batch.loss_mask > 0
+    negative = (batch.advantages[m] < 0).float().mean().item()
+    assert 0.0 < stats["neg_behav_clip_frac"] <= negative
+
+
 def test_train_step_advances_version_and_reports_stats(tiny_model_dir, trajs) -> None:
     engine = TorchTrainEngine(tiny_model_dir, TrainConfig(token_budget=64, mini_batches=2))
     batch = build_batch(trajs(), LossConfig())
@@ -33,7 +45,7 @@ def test_train_step_advances_version_and_reports_stats(tiny_model_dir, trajs) ->
     assert stats["adv_zero_frac"] == pytest.approx((batch.advantages[m] == 0).float().mean().item())
     assert stats["theta_prox_gap"] > 0 and stats["theta_behav_gap"] > 0
     assert stats["behav_cut_frac"] == stats["behav_capped"] / stats["num_loss_tokens"]
-    assert stats["dual_clip_frac"] == 0.0
+    assert stats["dual_clip_frac"] == 0.0 and stats["neg_behav_clip_frac"] == 0.0
     assert engine.optimizer.state[next(iter(engine._module.parameters()))]["step"].item() == 2
     after = _weights(engine)
     assert any(not torch.equal(before[n], after[n]) for n in before)
