@@ -3,8 +3,11 @@
 Grid: configs × η × objectives × seeds. Configs: the quickstart and `configs/long_answers.yaml`
 (answers long enough that weight updates land mid-decode). η ∈ {0, 2, 4, 8}. Objectives
 (`--modes`): `naive` PPO (behaviour logprobs used as π_old: `train.loss.naive_ppo_ablation=true`),
-`decoupled` PPO (explicit proximal policy, the default, behaviour weight π_prox/π_behav capped)
-and, on request, `decoupled_mask` (`train.loss.behav_weight_mode=mask`). Seeds 0–7 by default.
+`decoupled` PPO (explicit proximal policy, behaviour weight π_prox/π_behav capped: the shipped
+objective, which since 2026-11-27 also stops the gradient of a bad token the policy already left,
+`train.loss.neg_behav_clip`) and, on request, `decoupled_areal` (AReaL's objective, without that
+stop: what `decoupled` ran before) and `decoupled_mask` (`train.loss.behav_weight_mode=mask`).
+Seeds 0–7 by default.
 Everything else is the config's, so `--set KEY=VALUE` applies to every run. At η = 0 the two
 objectives coincide up to numerics; the question is how each holds up as samples get staler.
 
@@ -81,8 +84,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # An objective in the grid: (the objective it runs, its own extra overrides). `--variant`
 # adds more, e.g. `decoupled_eps01=decoupled,train.loss.eps_clip=0.1`.
+# `decoupled` is the shipped objective; since 2026-11-27 it stops the gradient of stale bad tokens
+# (`train.loss.neg_behav_clip`, design §10.37); `decoupled_areal` is AReaL's, without that, which
+# every `decoupled` run recorded before then was.
 BUILTIN_MODES: dict[str, tuple[str, list[str]]] = {
     "naive": ("naive", []), "decoupled": ("decoupled", []),
+    "decoupled_areal": ("decoupled", ["train.loss.neg_behav_clip=null"]),
     "decoupled_mask": ("decoupled", ["train.loss.behav_weight_mode=mask"]),
 }
 STYLE_CYCLE = ("D-.", "v-", "P--", "X:")

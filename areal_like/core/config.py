@@ -341,9 +341,11 @@ class LossConfig(_Section):
     """Dual-clip PPO: for A < 0 the token objective is at least c·A (verl `clip_ratio_c`, 3 there). None = off."""
     behav_weight_lower: float | None = Field(None, ge=0.0, lt=1.0)
     """Lower bound on the behaviour weight (raised to it in `cap` mode, token dropped in `mask`). None = none."""
-    neg_behav_clip: float | None = Field(None, gt=0.0, lt=1.0)
+    neg_behav_clip: float | None = Field(0.2, gt=0.0, lt=1.0)
     """ε_b: for A < 0, no gradient once π_θ/π_behav < 1 − ε_b (the policy already left that bad token
-    since it was sampled; the proximal clip alone pushes a stale one down again every step). None = off."""
+    since it was sampled; the proximal clip alone pushes a stale one down again every step). A no-op
+    at η = 0; at η = 4 and 8 it removed decoupled PPO's late falls (docs/design.md §10.37).
+    None = off (AReaL's objective)."""
     adv_batch_norm: bool = False
     """Then normalise advantages over the batch's loss tokens (mean 0, std 1), as AReaL's batch `adv_norm`."""
 
