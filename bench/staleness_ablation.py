@@ -622,6 +622,14 @@ def main() -> None:
         "paired_diff": {f"{p['config']}.eta{p['eta']}.{p['b']}" + ("" if p["metric"] == "final" else ".curve"): (
             f"{p['diff_mean']:+.3f} [{p['diff_ci'][0]:+.3f}, {p['diff_ci'][1]:+.3f}] p={p['p_signflip']:.3f}")
             for p in pairs if "diff_mean" in p},
+        # the shipped objective against naive PPO, per config and η: the summary table's headline
+        "decoupled_vs_naive": {
+            f"{p['config']}.eta{p['eta']}": "; ".join(
+                f"{'final' if q['metric'] == 'final' else 'along the run'} {q['diff_mean']:+.3f} "
+                f"[{q['diff_ci'][0]:+.3f}, {q['diff_ci'][1]:+.3f}] {q['b_wins']}/{q['n']}"
+                for q in pairs if (q["config"], q["eta"], q["b"]) == (p["config"], p["eta"], "decoupled")
+                and "diff_mean" in q)
+            for p in pairs if p["b"] == "decoupled" and p["metric"] == "final" and "diff_mean" in p},
         "runs": runs,
         "total_s": round(time.time() - t_all, 1),
         # the runs' own other-process CPU (median over runs): with --reuse the record's
