@@ -416,16 +416,19 @@ def test_console_notes_print_steps_with_the_last_eval_and_say_waits() -> None:
 
 
 def test_the_fall_line_names_the_measured_setting_only_where_it_applies() -> None:
-    """At η ≥ 4 the line gives the setting that kept the ablation's runs from falling, unless
-    the run already uses it; at η = 2 (where it was not better) it does not."""
+    """At η ≥ 4 the line gives the settings that kept the ablation's runs from falling, those
+    the run does not use already; at η = 2 (where they were not better) it does not."""
     def line_for(*sets: str) -> str:
         rules = StopRules(_cfg(*sets), "r")
         said = [rules.sampled({"step": k, "reward_mean": 0.9, "reward_mean_all_groups": f})
                 for k, f in enumerate(COLLAPSED, 1)]
         return next(x for x in said if x is not None)
 
-    hint = "train.loss.eps_clip=0.1 and train.lr_schedule=cosine"
+    hint, stop = "train.loss.eps_clip=0.1 and train.lr_schedule=cosine", "train.loss.neg_behav_clip=0.2"
     assert hint in line_for("staleness.max_staleness=4")
+    assert stop not in line_for("staleness.max_staleness=4")  # on by default
+    assert stop in line_for("staleness.max_staleness=4", "train.loss.neg_behav_clip=null")
     assert hint in line_for("staleness.max_staleness=8", "train.lr_schedule=cosine")  # ε still 0.2
     assert hint not in line_for("staleness.max_staleness=8", "train.lr_schedule=cosine", "train.loss.eps_clip=0.1")
-    assert hint not in line_for("staleness.max_staleness=2")
+    line = line_for("staleness.max_staleness=2", "train.loss.neg_behav_clip=null")
+    assert hint not in line and stop not in line

@@ -175,11 +175,12 @@ class FreshRewardWatch:
     all wrong) and sits away from the fresh one in a healthy run."""
 
     def __init__(self, *, eta: int, lr: float, drop: float = 0.3, window: int = 3, eps_clip: float = 0.2,
-                 lr_schedule: str = "constant") -> None:
+                 lr_schedule: str = "constant", neg_behav_clip: float | None = 0.2) -> None:
         self.eta = eta
         self.lr = lr
         self.eps_clip = eps_clip
         self.lr_schedule = lr_schedule
+        self.neg_behav_clip = neg_behav_clip
         self.drop = drop
         self.window = window
         self._recent: list[float] = []
@@ -210,9 +211,14 @@ class FreshRewardWatch:
                  + (f" and still score {trained:.2f}" if trained is not None else "")
                  + f", so the trained reward will show this only about {self.eta} steps from now.") if self.eta else ""
         # What kept every ablation run at η 4 and 8 from falling (docs/staleness.md, #34).
-        setting = (" With η ≥ 4, train.loss.eps_clip=0.1 and train.lr_schedule=cosine kept every staleness "
-                   f"ablation run from falling (now {self.eps_clip:g} and {self.lr_schedule})."
-                   if self.eta >= 4 and (self.eps_clip > 0.1 or self.lr_schedule == "constant") else "")
+        fixes = []
+        if self.eta >= 4 and self.neg_behav_clip is None:
+            fixes.append("train.loss.neg_behav_clip=0.2 (the default; this run has it off)")
+        if self.eta >= 4 and (self.eps_clip > 0.1 or self.lr_schedule == "constant"):
+            fixes.append(f"train.loss.eps_clip=0.1 and train.lr_schedule=cosine (now {self.eps_clip:g} and "
+                         f"{self.lr_schedule})")
+        setting = (" With η ≥ 4 these kept every staleness ablation run from falling: " + "; or ".join(fixes) + "."
+                   if fixes else "")
         return (f"the newest episodes' reward fell to {now:.2f} (mean of the last {self.window} steps) from "
                 f"{best:.2f} at step {at}: the policy got worse.{stale} In the staleness ablation, runs like "
                 f"this had collapsed (docs/staleness.md).{setting} Lower staleness.max_staleness or train.lr "
