@@ -144,9 +144,11 @@ def test_a_killed_server_process_is_restarted_with_the_served_version(tiny_model
     recs = list(read_jsonl(run_dir / "metrics.jsonl"))
     assert max(r.get("server_failures", 0) for r in recs) >= 1
     assert max(r.get("server_restarts", 0) for r in recs) == 1
-    last = [r for r in recs if "server-1_version" in r][-1]
-    assert last["servers"] == 2, "the restarted server is back in rotation"
-    assert abs(last["server-0_version"] - last["server-1_version"]) <= 1, last
+    # Back in rotation at some report after the restart (the very last report may come while
+    # the run is stopping its servers), serving a version next to the other server's.
+    assert _back_in_rotation(run_dir / "metrics.jsonl"), "the restarted server is back in rotation"
+    both = [r for r in recs if "server-1_version" in r and r.get("servers") == 2]
+    assert abs(both[-1]["server-0_version"] - both[-1]["server-1_version"]) <= 1, both[-1]
     assert summary.get("over_stale", 0) == 0, summary
 
 
