@@ -55,7 +55,7 @@ What the objective did (#34), each a mean over the step's loss tokens: `behav_cu
 the share whose behaviour weight left [lower, cap] (capped or masked; `behav_capped` and
 `behav_masked` are the counts), `clip_frac` the share where the PPO clip around π_old
 bound (π_prox, or π_behav in the naive ablation), `dual_clip_frac` the dual clip's share,
-`neg_behav_clip_frac` the share of A < 0 tokens whose gradient `neg_behav_clip` stopped,
+`neg_behav_clip_frac` the share whose gradient `neg_behav_clip` stopped (A < 0 tokens only),
 `behav_prox_gap` / `theta_prox_gap` / `theta_behav_gap` the mean |Δ log π| between the
 behaviour, proximal and current policies (θ as each mini-batch's forward sees it: 0 on the
 first mini-batch), `adv_abs_mean` the mean |A| and `adv_zero_frac` the share with A = 0."""

@@ -34,6 +34,11 @@ them (docs/design.md §10.21 compares the objectives term by term):
 - `behav_weight_lower`: a lower bound on w (slime `--tis-clip-low`, AReaL
   `rejection_sampling.lower`, verl's rejection-sampling lower threshold); `cap`
   raises w to it, `mask` drops the token.
+One term AReaL, verl and slime do not have, on by default (`neg_behav_clip` = 0.2 in the
+config; docs/design.md §10.37): for A < 0 the gradient stops once π_θ/π_behav < 1 − ε_b.
+The proximal clip re-opens its window every step, so without it a bad token sampled η
+versions ago is pushed down again at every step while it waits; naive PPO's clip stops at
+the same bound around π_behav. At η = 0 (π_behav = π_prox) it changes nothing.
 And `masked_normalize`, AReaL's `adv_norm` (batch mean and std over the loss
 tokens, after the group normalisation), for `train.loss.adv_batch_norm`. The naive ablation uses π_behav as π_old and no w; it is
 the baseline the decoupled objective is compared against and is never a default.
