@@ -518,9 +518,7 @@ class StopRules:
         self.cfg = cfg
         self.signal = SignalWatch(reward_name, max_no_signal_s=cfg.agent.max_no_signal_s)
         self.drift = DriftWatch(eta=cfg.staleness.max_staleness, lr=cfg.train.lr)
-        self.fresh = FreshRewardWatch(eta=cfg.staleness.max_staleness, lr=cfg.train.lr,
-                                      eps_clip=cfg.train.loss.eps_clip, lr_schedule=cfg.train.lr_schedule,
-                                      neg_behav_clip=cfg.train.loss.neg_behav_clip)
+        self.fresh = FreshRewardWatch.for_config(cfg)
         self.skips_in_a_row = 0
         self.target_reached: tuple[int, float] | None = None
         """(version, accuracy) of the evaluation that reached `train.stop_at_eval_accuracy`."""

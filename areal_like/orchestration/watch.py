@@ -187,6 +187,13 @@ class FreshRewardWatch:
         self._best: tuple[float, int] | None = None
         self._armed = True
 
+    @classmethod
+    def for_config(cls, cfg: Any) -> FreshRewardWatch:
+        """The watch of a run (an `ExperimentConfig`): its η, and the settings its line names."""
+        t = cfg.train
+        return cls(eta=cfg.staleness.max_staleness, lr=t.lr, eps_clip=t.loss.eps_clip, lr_schedule=t.lr_schedule,
+                   neg_behav_clip=t.loss.neg_behav_clip)
+
     def step(self, rec: dict[str, Any]) -> str | None:
         fresh = rec.get("reward_mean_all_groups")
         if fresh is None:
