@@ -47,6 +47,7 @@ the baseline the decoupled objective is compared against and is never a default.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -209,7 +210,7 @@ def decoupled_ppo_loss(
 
     if neg_behav_clip is not None:
         log_to_behav = torch.where(mask > 0, logprobs.detach() - behav_logprobs.detach(), torch.zeros_like(logprobs))
-        stop = (advantages < 0) & (log_to_behav < torch.log1p(torch.tensor(-neg_behav_clip))) & (mask > 0)
+        stop = (advantages < 0) & (log_to_behav < math.log1p(-neg_behav_clip)) & (mask > 0)
         objective = torch.where(stop, objective.detach(), objective)
         behav_clipped = stop.to(logprobs.dtype)
     else:
