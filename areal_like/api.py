@@ -76,15 +76,16 @@ class GRPOTrainer:
         self.tools = _tools(tools) if tools else None
         self.agent_loops = agent_loops
 
-    def train(self, resume: bool = False, overwrite: bool = False, verbose: bool | None = None) -> dict[str, int]:
-        """Run both clusters on this machine until `train.total_steps`; returns the outcome counts.
+    def train(self, resume: bool = False, overwrite: bool = False, verbose: bool | None = None) -> dict[str, Any]:
+        """Run both clusters on this machine until `train.total_steps`; returns the outcome counts,
+        and with evaluations `eval_accuracy` / `eval_version` of the last one (also printed).
 
         Shows the same progress as `areal-like run` (dashboard URL, a line per step with
         reward, eval accuracy and ETA) on stderr; other log lines go to `run.dir/run.log`
         unless `verbose` (or `run.verbose`). Your own logging setup is left alone."""
         import logging
 
-        from areal_like.orchestration.console import Progress, setup_console
+        from areal_like.orchestration.console import Progress, eval_summary, final_evals, setup_console
         from areal_like.orchestration.launch import run_both
         from areal_like.orchestration.trainer_controller import RunAborted
 
@@ -96,10 +97,10 @@ class GRPOTrainer:
         user = {"rows": self.rows, "eval_rows": self.eval_rows, "reward_fn": self.reward_fn,
                 "tools": self.tools, "loops": self.agent_loops}
         try:
-            return run_both(self.cfg, resume=resume, overwrite=overwrite, user=user, on_step=progress,
-                            on_start=lambda side: progress.start(run_dir=side.cfg.run.dir,
-                                                                 dashboard_url=side.dashboard_url),
-                            reward_name=_reward_name(self.reward_fn))
+            summary = run_both(self.cfg, resume=resume, overwrite=overwrite, user=user, on_step=progress,
+                               on_start=lambda side: progress.start(run_dir=side.cfg.run.dir,
+                                                                    dashboard_url=side.dashboard_url),
+                               reward_name=_reward_name(self.reward_fn))
         except RunAborted as e:
             # As the CLI says it: the cause first (your file and line when your code raised
             # it), then what the run did. The exception repeats only the first line, and
@@ -108,6 +109,12 @@ class GRPOTrainer:
             for i, line in enumerate(text.splitlines()):
                 print(f"error: {line}" if i == 0 else line, file=progress.stream, flush=True)
             raise type(e)(text.splitlines()[0] if text else type(e).__name__) from None
+        evals = final_evals(self.cfg.run.dir)
+        line = eval_summary(evals)
+        if line is not None:  # the end on the console, as the CLI says it
+            print(line, file=progress.stream, flush=True)
+            summary = {**summary, "eval_accuracy": evals[-1]["accuracy"], "eval_version": evals[-1]["version"]}
+        return summary
 
 
 def _config(args: ExperimentConfig | dict[str, Any] | str | Path | None,

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_like.tasks.arithmetic import arithmetic_reward
+from areal_like.tasks.arithmetic import arithmetic_reward, last_integer_reward
 from rollout_cluster.loader import UserCodeError, is_user_code_spec, load_object
 
 __all__ = ["BUILTIN_REWARDS", "RewardError", "RewardFn", "as_reward_fn", "compute_reward", "is_trl_reward",
@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[dict[str, Any], Any], Any]
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward}
+BUILTIN_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "last_integer": last_integer_reward}
 
 
 class RewardError(Exception):

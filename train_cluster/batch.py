@@ -27,7 +27,7 @@ from areal_like.core.config import LossConfig
 from areal_like.core.types import Trajectory
 from train_cluster.losses import group_advantages, masked_normalize
 
-__all__ = ["TrainBatch", "build_batch", "pack_sequences", "balanced_partition", "shard_batch", "split_mini_batches"]
+__all__ = ["TrainBatch", "build_batch", "overlong_penalty", "pack_sequences", "balanced_partition", "shard_batch", "split_mini_batches"]
 
 _PER_TOKEN = ("input_ids", "loss_mask", "behav_logprobs", "advantages", "temperature", "versions",
               "prox_logprobs", "ref_logprobs")
@@ -130,12 +130,18 @@ def build_batch(
     if len(gids) != len(trajectories):
         raise ValueError(f"build_batch: {len(gids)} group ids for {len(trajectories)} trajectories")
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    adv = group_advantages(rewards, gids, std_norm=loss.adv_std_norm, leave_one_out=loss.adv_leave_one_out)
+    shaped = rewards
+    if loss.overlong_buffer and loss.overlong_max_len:
+        shaped = rewards + torch.tensor([overlong_penalty(len(t.response_ids), loss.overlong_max_len,
+                                                          loss.overlong_buffer, loss.overlong_penalty)
+                                         for t in trajectories], dtype=torch.float32)
+    adv = group_advantages(shaped, gids, std_norm=loss.adv_std_norm, leave_one_out=loss.adv_leave_one_out)
     ids, mask, behav, advs, temps, vers, lens = [], [], [], [], [], [], []
     for t, a in zip(trajectories, adv.tolist(), strict=True):
         p, r = len(t.prompt_ids), len(t.response_ids)
         ids += t.prompt_ids + t.response_ids
-        mask += [0] * p + t.response_mask
+        # a truncated answer stays in its group's advantages but leaves the loss (mask_truncated)
+        mask += [0] * p + ([0] * r if loss.mask_truncated and t.truncated else t.response_mask)
         behav += [0.0] * p + t.response_logprobs
         advs += [a] * (p + r)
         temps += [t.temperature] * (p + r)
@@ -155,6 +161,15 @@ def build_batch(
         rewards=rewards,
         group_ids=gids,
     )
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong penalty: 0 up to `max_len - buffer` tokens, then falling linearly to
+    `-factor` at `max_len` (and `-factor` past it)."""
+    start = max_len - buffer
+    if length <= start:
+        return 0.0
+    return -factor * min(1.0, (length - start) / buffer)
 
 
 def pack_sequences(lengths: Sequence[int], token_budget: int) -> list[list[int]]:

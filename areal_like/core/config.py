@@ -136,9 +136,11 @@ class DatasetConfig(_Section):
     """Split to read when `hf`/`hf_disk` data has several (a `DatasetDict`)."""
     task: Literal["arithmetic"] = "arithmetic"
     """Built-in task for `type: generated`."""
-    form: Literal["tool", "single_turn", "long_answer"] = "tool"
-    """Task form: with the calculator tool, answer directly, or the tool form with long
-    answers (the `long_answer` loop: extra trained tokens after each answer)."""
+    form: Literal["tool", "single_turn", "long_answer", "chat"] = "tool"
+    """Task form: with the calculator tool, answer directly, the tool form with long
+    answers (the `long_answer` loop: extra trained tokens after each answer), or `chat`:
+    "What is 14 + 7? Answer with the number only." in words, for a pretrained chat model
+    (configs/smollm2.yaml; reward `last_integer`)."""
     num_train: int = Field(20000, ge=1)
     """Number of generated training problems."""
     num_eval: int = Field(256, ge=1)
@@ -348,6 +350,17 @@ class LossConfig(_Section):
     None = off (AReaL's objective)."""
     adv_batch_norm: bool = False
     """Then normalise advantages over the batch's loss tokens (mean 0, std 1), as AReaL's batch `adv_norm`."""
+    mask_truncated: bool = False
+    """Answers cut by the length limit (`rollout.response_length`) teach nothing: their tokens leave the
+    loss, their rewards still count in their group's advantages (TRL's `mask_truncated_completions`)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong penalty: over the last this-many tokens before `rollout.response_length`
+    the reward used for advantages falls linearly, by up to `overlong_penalty` at the limit (and past
+    it). The reward on the console and in evaluations is the task's own. 0 = off."""
+    overlong_penalty: float = Field(1.0, gt=0.0)
+    """The overlong penalty at the length limit (DAPO's `penalty_factor`)."""
+    overlong_max_len: int | None = Field(None, ge=1)
+    """The limit the overlong penalty counts to; filled from `rollout.response_length` when unset."""
 
 
 class TorchBackendConfig(_Section):
@@ -603,6 +616,13 @@ class ExperimentConfig(_Section):
             )
         self._check_growth()
         self._check_colocate()
+        loss, limit = self.train.loss, self.rollout.response_length
+        if loss.overlong_buffer:
+            if loss.overlong_buffer >= limit:
+                raise ValueError(f"train.loss.overlong_buffer={loss.overlong_buffer} must be less than "
+                                 f"rollout.response_length={limit} (the penalty starts that many tokens before it)")
+            if loss.overlong_max_len is None:
+                loss.overlong_max_len = limit
         if self.train.stop_at_eval_accuracy is not None and (self.eval.every_n_steps <= 0
                                                              or self.eval.num_samples <= 0):
             raise ValueError(

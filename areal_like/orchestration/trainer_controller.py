@@ -62,6 +62,7 @@ from areal_like.orchestration.trainer_policies import (
     WeightFeed,
 )
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
+from areal_like.orchestration.watch import TruncationWatch
 
 if TYPE_CHECKING:  # the driver never needs torch itself: the workers hold the tensors (design §10.34)
     import torch
@@ -152,6 +153,7 @@ class TrainerController:
         self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups,
                                        cfg.rollout.group_size)
         self.rules = StopRules(cfg, reward_name or cfg.agent.reward)
+        self.truncation = TruncationWatch.for_config(cfg)
         self.notes = ConsoleNotes(on_step, on_wait)
         self.vocab_size = vocab_size
         """Token ids at or above it are refused at the edge (they would crash the train step)."""
@@ -481,6 +483,9 @@ class TrainerController:
                 self.buffer.put_invalid(msg)
                 return
             self.rules.signal.group(msg, self.buffer.put(msg))
+            cut = self.truncation.group(msg)
+            if cut is not None:
+                self.notes.warn(cut)
             self.telemetry.m.samples.buffer_depth.set(self.buffer.depth)
         elif isinstance(msg, RolloutStats) and msg.kind == "eval" and msg.eval is not None:
             self.telemetry.evaluation(msg, self.trainer.version)

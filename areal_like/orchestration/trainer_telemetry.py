@@ -55,6 +55,7 @@ class TrainerTelemetry:
             "head_lag_hist": _hist(head_lags),
             "token_lag_hist": _hist(token_lags),
             "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+            "truncated_frac": sum(t.truncated for t in trajs) / len(trajs),
             "buffer_depth": buffer.depth,
             "over_stale": buffer.counts["over_stale"],
             "filtered": buffer.counts["filtered"],

@@ -21,6 +21,10 @@ it and prints or raises what it returns.
   shows a policy that broke only η versions later. In the staleness ablation at η = 8,
   decoupled runs collapsed late (the newest episodes at 0.1–0.5 while the trained batches
   still scored ~0.9) and nothing on the console said so.
+- `TruncationWatch`: answers cut by the length limit. On SmolLM2-135M-Instruct a policy
+  that had learned the task stopped ending its turns: the share of answers that reached
+  `rollout.response_length` went from a third to all of them and the held-out accuracy
+  fell with it, and the console said nothing (docs/real_models.md).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 
 from areal_like.core.types import EpisodeFailures, RolloutStats, TrajectoryGroup
 
-__all__ = ["SignalWatch", "FailureNotes", "WaitNotes", "DriftWatch", "FreshRewardWatch"]
+__all__ = ["SignalWatch", "FailureNotes", "WaitNotes", "DriftWatch", "FreshRewardWatch", "TruncationWatch"]
 
 
 def _values(counts: Counter[float], most: int = 4) -> str:
@@ -40,6 +44,49 @@ def _values(counts: Counter[float], most: int = 4) -> str:
     if len(counts) > most:
         parts.append(f"{len(counts) - most} more values")
     return ", ".join(parts)
+
+
+class TruncationWatch:
+    """One line when the share of answers cut by the length limit, over the last `window`
+    samples that arrived (trained or filtered), reaches `threshold`; again only after it
+    fell below half of it."""
+
+    def __init__(self, *, response_length: int, mask_truncated: bool = False, overlong_buffer: int = 0,
+                 threshold: float = 0.5, window: int = 64) -> None:
+        self.response_length = response_length
+        self.mask_truncated = mask_truncated
+        self.overlong_buffer = overlong_buffer
+        self.threshold = threshold
+        self.window = window
+        self._recent: list[bool] = []
+        self._armed = True
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> TruncationWatch:
+        loss = cfg.train.loss
+        return cls(response_length=cfg.rollout.response_length, mask_truncated=loss.mask_truncated,
+                   overlong_buffer=loss.overlong_buffer)
+
+    def group(self, group: TrajectoryGroup) -> str | None:
+        self._recent = [*self._recent, *(bool(t.truncated) for t in group.trajectories)][-self.window:]
+        if len(self._recent) < self.window:
+            return None
+        share = sum(self._recent) / len(self._recent)
+        if not self._armed:
+            self._armed = share < self.threshold / 2
+            return None
+        if share < self.threshold:
+            return None
+        self._armed = False
+        on = [k for k, v in (("train.loss.mask_truncated", self.mask_truncated),
+                             ("train.loss.overlong_buffer", self.overlong_buffer)) if v]
+        setting = (f" ({' and '.join(on)} on)" if on else
+                   "; train.loss.mask_truncated=true keeps them out of the loss, train.loss.overlong_buffer=N "
+                   "penalises answers that run into the last N tokens (DAPO)")
+        return (f"{share:.0%} of the last {len(self._recent)} answers were cut by the length limit "
+                f"(rollout.response_length={self.response_length}): a policy that stops ending its answers loses "
+                f"what the reward reads at the end. Raise rollout.response_length if the answers need the room"
+                f"{setting}")
 
 
 class SignalWatch:
@@ -85,6 +132,10 @@ class SignalWatch:
         what = (f"all {self.uniform} groups of the last {waited:.0f}s scored the same within each group "
                 f"(reward {self.reward_name!r}, samples: {_values(self.values)}); staleness.filter_uniform_groups "
                 "drops them (set it false to train on them with advantage 0), so there is nothing to train on")
+        mixed = self.total_groups - self.total_uniform
+        if mixed:  # a run that finds signal, only rarely, reads differently from one that never did
+            what += (f"; {mixed} of the run's {self.total_groups} groups so far ({mixed / self.total_groups:.0%}) "
+                     "had different rewards, and each one resets this clock")
         if waited >= self.max_no_signal_s:
             return None, (f"no learning signal for {waited:.0f}s (agent.max_no_signal_s={self.max_no_signal_s:g}): "
                           f"{what}. Check that the reward can tell answers apart on these rows.")

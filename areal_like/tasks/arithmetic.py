@@ -2,7 +2,11 @@
 
 Problems are `abc+def` (3-digit + 3-digit) and `abc*de` (3-digit × 2-digit): a tiny
 model cannot multiply in its head, so it learns to call the calculator and copy the
-result (docs/design.md §8). Rows follow the dataset format of docs/design.md §9.11: `prompt`
+result (docs/design.md §8). The `chat` form is the real-model recipe's task
+(configs/smollm2.yaml): "What is 14 + 7? Answer with the number only." for 2–19 plus
+1–9, a question a pretrained chat model of 135M parameters answers right at T = 1 about
+one time in six (its last integer; 0.36 greedy), so RL has signal from the start and room
+to rise; it is scored by `last_integer_reward`. Rows follow the dataset format of docs/design.md §9.11: `prompt`
 (chat messages), `answer`, `agent_name`, `data_source`.
 
 The calculator parses numbers itself (leading zeros allowed) with a tiny
@@ -22,6 +26,7 @@ __all__ = [
     "generate_problems",
     "extract_answer",
     "arithmetic_reward",
+    "last_integer_reward",
 ]
 
 _MAX_EXPR = 64
@@ -111,8 +116,26 @@ def make_problem(rng: random.Random, form: str = "tool") -> dict[str, Any]:
     }
 
 
+def _chat_problem(a: int, b: int) -> dict[str, Any]:
+    return {
+        "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+        "answer": str(a + b),
+        "agent_name": "single_turn",
+        "data_source": "arithmetic_chat",
+        "extra": {"expression": f"{a}+{b}"},
+    }
+
+
+CHAT_PROBLEMS = [(a, b) for a in range(2, 20) for b in range(1, 10)]
+"""All 162 problems of the `chat` form."""
+
+
 def generate_problems(n: int, seed: int, form: str = "tool") -> list[dict[str, Any]]:
     rng = random.Random(seed)
+    if form == "chat":  # a seeded order of the small set, repeated to n rows
+        order = list(CHAT_PROBLEMS)
+        rng.shuffle(order)
+        return [_chat_problem(*order[i % len(order)]) for i in range(n)]
     return [make_problem(rng, form) for _ in range(n)]
 
 
@@ -134,3 +157,18 @@ def arithmetic_reward(sample: dict[str, Any], output: Any) -> float:
     final = output.final_text if hasattr(output, "final_text") else str(output)
     got = extract_answer(final)
     return 1.0 if got is not None and got == str(sample["answer"]).strip() else 0.0
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def last_integer_reward(sample: dict[str, Any], output: Any) -> float:
+    """1.0 if the last integer in the final assistant text is the answer, else 0.0.
+
+    Lenient about form ("14 + 7 = 21." scores), as a chat model's answers are; the
+    `chat` form's reward. Text cut by the length limit is read like any other: the
+    truncation options (`train.loss.mask_truncated`, `train.loss.overlong_buffer`) decide
+    what such answers teach."""
+    final = output.final_text if hasattr(output, "final_text") else str(output)
+    found = _INT.findall(final or "")
+    return 1.0 if found and str(int(found[-1])) == str(sample["answer"]).strip() else 0.0

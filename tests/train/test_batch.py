@@ -110,3 +110,50 @@ def test_packed_logprobs_equal_unpacked(tiny_model_dir, trajs) -> None:
         ref = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
         assert torch.allclose(packed[offs[i] + 1:offs[i + 1]], ref, atol=1e-5)
         assert packed[offs[i]].item() == 0.0
+
+
+def test_mask_truncated_drops_only_the_truncated_answers_from_the_loss(trajs) -> None:
+    """TRL's `mask_truncated_completions`: a truncated answer's tokens leave the loss; the
+    group's advantages are those of the whole group, as without the option."""
+    ts = trajs(n_groups=2, group_size=3)
+    ts = [t.model_copy(update={"truncated": i in (1, 4)}) for i, t in enumerate(ts)]
+    plain, masked = build_batch(ts, LossConfig()), build_batch(ts, LossConfig(mask_truncated=True))
+    offs = plain.offsets().tolist()
+    for i, t in enumerate(ts):
+        seg = slice(offs[i], offs[i + 1])
+        want = [0] * (offs[i + 1] - offs[i]) if t.truncated else plain.loss_mask[seg].tolist()
+        assert masked.loss_mask[seg].tolist() == want
+    assert torch.equal(masked.advantages, plain.advantages)
+    assert masked.num_loss_tokens == plain.num_loss_tokens - sum(sum(t.response_mask) for t in ts if t.truncated)
+
+
+def test_overlong_penalty_is_dapos_linear_ramp() -> None:
+    from train_cluster.batch import overlong_penalty
+
+    # limit 16, buffer 4: nothing up to 12 tokens, then -0.25 per token to -1 at 16 (and past it)
+    assert [overlong_penalty(n, 16, 4) for n in (1, 12, 13, 14, 16, 20)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(14, 16, 4, factor=0.5) == -0.25
+
+
+def test_overlong_penalty_shapes_the_advantages_not_the_recorded_reward(trajs) -> None:
+    ts = trajs(n_groups=1, group_size=2, response_len=(3, 3))
+    long_one = ts[1].model_copy(update={"response_ids": ts[1].response_ids * 4, "response_mask": [1] * 12,
+                                        "response_logprobs": [-1.0] * 12, "response_versions": [0] * 12})
+    same = [ts[0].model_copy(update={"reward": 1.0}), long_one.model_copy(update={"reward": 1.0})]
+    loss = LossConfig(overlong_buffer=4, overlong_max_len=12)
+    b = build_batch(same, loss)
+    offs = b.offsets().tolist()
+    first, second = b.advantages[offs[0]].item(), b.advantages[offs[1]].item()
+    assert first > 0 > second  # both right, the one that ran to the limit is the worse of the two
+    assert b.rewards.tolist() == [1.0, 1.0]
+    assert torch.equal(build_batch(same, LossConfig()).advantages, torch.zeros_like(b.advantages))
+
+
+def test_overlong_buffer_takes_its_limit_from_the_response_length() -> None:
+    from areal_like.core.config import ExperimentConfig
+
+    cfg = ExperimentConfig.model_validate({"rollout": {"response_length": 16}, "train": {"loss": {"overlong_buffer": 4}}})
+    assert cfg.train.loss.overlong_max_len == 16
+    with pytest.raises(ValueError, match="overlong_buffer=16 must be less than rollout.response_length=16"):
+        ExperimentConfig.model_validate({"rollout": {"response_length": 16},
+                                         "train": {"loss": {"overlong_buffer": 16}}})

@@ -1,0 +1,51 @@
+"""The console names a rising share of answers cut by the length limit, once, with the
+settings to look at; and tells the end of a run: the last evaluation, the first and the best
+(docs/real_models.md)."""
+
+from __future__ import annotations
+
+import json
+
+from areal_like.core.types import Trajectory, TrajectoryGroup
+from areal_like.orchestration.console import eval_summary, final_evals
+from areal_like.orchestration.watch import TruncationWatch
+
+
+def _group(cut: list[bool]) -> TrajectoryGroup:
+    trajs = [Trajectory(episode_id=f"e{i}", group_id="g", prompt_ids=[1], response_ids=[2], response_mask=[1],
+                        response_logprobs=[-1.0], response_versions=[0], reward=float(i % 2), truncated=c)
+             for i, c in enumerate(cut)]
+    return TrajectoryGroup(group_id="g", trajectories=trajs)
+
+
+def test_truncation_line_once_when_the_share_rises_then_again_after_it_fell() -> None:
+    w = TruncationWatch(response_length=16, window=8, threshold=0.5)
+    assert w.group(_group([False] * 4)) is None
+    assert w.group(_group([True, False, False, False])) is None  # 1 of 8
+    line = w.group(_group([True] * 4))  # 5 of 8
+    assert line is not None and "62% of the last 8 answers were cut by the length limit" in line
+    assert "rollout.response_length=16" in line and "train.loss.mask_truncated=true" in line
+    assert w.group(_group([True] * 4)) is None  # said once
+    assert w.group(_group([False] * 4)) is None  # 4 of 8: still not under half the threshold
+    assert w.group(_group([False] * 4)) is None  # 0 of 8: re-armed
+    again = w.group(_group([True] * 4))  # 4 of 8: at the threshold
+    assert again is not None and again.startswith("50% of the last 8 answers")
+
+
+def test_truncation_line_names_the_options_already_on() -> None:
+    w = TruncationWatch(response_length=8, window=4, threshold=0.5, mask_truncated=True)
+    line = w.group(_group([True] * 4))
+    assert line is not None and "(train.loss.mask_truncated on)" in line
+
+
+def test_eval_summary_tells_the_end_and_a_fall_from_the_best(tmp_path) -> None:
+    assert eval_summary([]) is None
+    kept = [{"version": 0, "accuracy": 0.125}, {"version": 10, "accuracy": 0.8}, {"version": 20, "accuracy": 0.78}]
+    line = eval_summary(kept)
+    assert line == "held-out accuracy 0.780 at v20, the last evaluation (v0 0.125; best 0.800 at v10)"
+    fell = eval_summary([*kept, {"version": 30, "accuracy": 0.5}])
+    assert fell is not None and "0.300 under the run's best" in fell
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"kind": "eval", "accuracy": 0.1}, {"kind": "summary", "evals": kept})) + "\n")
+    assert final_evals(tmp_path) == kept
+    assert final_evals(tmp_path / "nowhere") == []
