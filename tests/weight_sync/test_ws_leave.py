@@ -90,7 +90,6 @@ def test_a_receiver_in_the_middle_of_joining_is_waited_for(caplog) -> None:
     in the log). Skipping it sent the resumed trainer's first version without a server that
     was joining (slow suite, 2026-11-27: NotAMemberError)."""
     import threading
-    import time
 
     from weight_sync.dist import DistWeightReceiver
 
