@@ -30,13 +30,13 @@ from areal_like.orchestration.trainer_policies import (
     Announcer,
     Checkpointer,
     ColocateHold,
-    ConsoleNotes,
     ReportLog,
     RunEnd,
     StopRules,
     StragglerPolicy,
     WeightFeed,
 )
+from areal_like.orchestration.watch import ConsoleNotes
 
 
 def _cfg(*overrides: str):

@@ -49,3 +49,50 @@ def test_eval_summary_tells_the_end_and_a_fall_from_the_best(tmp_path) -> None:
         {"kind": "eval", "accuracy": 0.1}, {"kind": "summary", "evals": kept})) + "\n")
     assert final_evals(tmp_path) == kept
     assert final_evals(tmp_path / "nowhere") == []
+
+
+def _scored(rewards: list[float]) -> TrajectoryGroup:
+    g = _group([False] * len(rewards))
+    return g.model_copy(update={"trajectories": [t.model_copy(update={"reward": r})
+                                                 for t, r in zip(g.trajectories, rewards, strict=True)]})
+
+
+def test_a_solved_task_ends_the_run_and_a_flat_reward_fails_it() -> None:
+    """Groups that all score the run's best reward after mixed ones: the task is solved (an
+    end, said as such); a reward that never told answers apart is a failure (docs/design.md §10.15)."""
+    from areal_like.orchestration.watch import SignalWatch
+
+    now = [0.0]
+    solved = SignalWatch("last_integer", max_no_signal_s=60, clock=lambda: now[0])
+    solved.group(_scored([1.0, 0.0, 1.0, 1.0]), None)  # a mixed group was trained
+    for _ in range(3):
+        solved.group(_scored([1.0] * 4), "filtered")
+    now[0] = 20.0
+    line, verdict = solved.check()
+    assert verdict is None and line is not None and "the policy solves these prompts" in line
+    assert "dataset.skip_solved_after" in line and "The run ends in 40s" in line
+    assert "1 of the run's 4 groups so far" not in line  # the no-signal wording is not used
+    now[0] = 61.0
+    line, verdict = solved.check()
+    assert solved.solved and verdict is not None and verdict.startswith("the task is solved")
+
+    flat = SignalWatch("flat", max_no_signal_s=60, clock=lambda: now[0])
+    now[0] = 0.0
+    for _ in range(3):
+        flat.group(_scored([0.0] * 4), "filtered")
+    now[0] = 61.0
+    line, verdict = flat.check()
+    assert not flat.solved and verdict is not None and verdict.startswith("no learning signal for 61s")
+
+
+def test_the_no_signal_line_says_what_share_of_groups_had_signal() -> None:
+    from areal_like.orchestration.watch import SignalWatch
+
+    now = [0.0]
+    w = SignalWatch("r", max_no_signal_s=300, clock=lambda: now[0])
+    w.group(_scored([0.5, 0.0, 0.0, 0.0]), None)
+    for _ in range(4):
+        w.group(_scored([0.0] * 4), "filtered")
+    now[0] = 15.0
+    line, _ = w.check()
+    assert line is not None and "1 of the run's 5 groups so far (20%) had different rewards" in line

@@ -109,7 +109,8 @@ class RunConfig(_Section):
 class ModelConfig(_Section):
     path: str = "areal_like/assets/quickstart_model"
     """HF folder (model + tokenizer). Relative paths resolve against the config file's
-    folder first, then the current directory, then the installed package's assets."""
+    folder first, then the current directory, then the installed package's assets. Or the
+    name of a model `areal-like model fetch` knows, once fetched (`smollm2-135m-instruct`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for training and the embedded engine (fp32 is fastest on CPU)."""
 

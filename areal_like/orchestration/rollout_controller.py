@@ -133,13 +133,16 @@ class RolloutController:
         await self._first_announcement()  # its run, epoch, weight group and weights
         control = asyncio.create_task(self._control_loop(), name="rollout-control")  # announcements → gate, weights
         stats = asyncio.create_task(self._stats_loop(), name="rollout-stats")  # a report every stats_every_s
-        self.evals.first(self.loaded_version)
+        first_eval = True
         try:
             while not self._stop.is_set():
                 admitted = 0
                 while not self._stop.is_set() and not self.weights.awaiting and self.gate.try_admit(self.sizer.size):
                     self._spawn_group(self.source.next(), self.sizer.size)  # n episodes → one TrajectoryGroup → trainer
                     admitted += 1
+                if first_eval:  # after the first groups: the engines serve those first, so the
+                    first_eval = False  # evaluation of the start version never holds up the first step
+                    self.evals.first(self.loaded_version)
                 if admitted:  # the trainer learns of new groups now, not at the next report
                     await self._report()
                 self._wake.clear()

@@ -54,7 +54,6 @@ from areal_like.orchestration.trainer_policies import (
     Announcer,
     Checkpointer,
     ColocateHold,
-    ConsoleNotes,
     ReportLog,
     RunEnd,
     StopRules,
@@ -62,7 +61,7 @@ from areal_like.orchestration.trainer_policies import (
     WeightFeed,
 )
 from areal_like.orchestration.trainer_telemetry import TrainerTelemetry
-from areal_like.orchestration.watch import TruncationWatch
+from areal_like.orchestration.watch import ConsoleNotes
 
 if TYPE_CHECKING:  # the driver never needs torch itself: the workers hold the tensors (design §10.34)
     import torch
@@ -153,7 +152,6 @@ class TrainerController:
         self.buffer = TrajectoryBuffer(cfg.staleness.max_staleness, cfg.staleness.filter_uniform_groups,
                                        cfg.rollout.group_size)
         self.rules = StopRules(cfg, reward_name or cfg.agent.reward)
-        self.truncation = TruncationWatch.for_config(cfg)
         self.notes = ConsoleNotes(on_step, on_wait)
         self.vocab_size = vocab_size
         """Token ids at or above it are refused at the edge (they would crash the train step)."""
@@ -256,7 +254,7 @@ class TrainerController:
         self.budget = StepBudget()  # the first step's interval starts here
         t_wait = time.time()
         look_s = 0.05
-        while self.trainer.version < cfg.train.total_steps and self.rules.target_reached is None:
+        while self.trainer.version < cfg.train.total_steps and self.rules.ended is None:
             t_loop = time.time()
             with self.budget.phase("wait_data") as wait:  # renamed below when it waited for something else
                 self._drain(timeout_s=look_s)
@@ -308,7 +306,7 @@ class TrainerController:
                     with self.budget.phase("checkpoint"):  # in the next step's record
                         self.checkpoint()
             t_wait = time.time()
-        return self._finish(reason="target_reached" if self.rules.target_reached is not None else "finished")
+        return self._finish(reason=self.rules.ended or "finished")
 
     def _stragglers(self, v: int) -> list[str]:
         """The groups the step from v waits for (`StragglerPolicy`)."""
@@ -483,7 +481,7 @@ class TrainerController:
                 self.buffer.put_invalid(msg)
                 return
             self.rules.signal.group(msg, self.buffer.put(msg))
-            cut = self.truncation.group(msg)
+            cut = self.rules.truncation.group(msg)
             if cut is not None:
                 self.notes.warn(cut)
             self.telemetry.m.samples.buffer_depth.set(self.buffer.depth)

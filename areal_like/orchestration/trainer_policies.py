@@ -9,10 +9,9 @@
     Announcer        the version announcement on the control channel, and its heartbeat
     RunEnd           the stop: the goodbye and waiting for the rollout side's final report
     StopRules        what ends a run early: no learning signal, skipped steps, the eval target
-    ConsoleNotes     what the user reads: each step, what the trainer waits for, failures
 
-They log under the controller's logger, so the run's log reads as it did before they
-were split out of it.
+What the user reads (each step, what the trainer waits for, failures) is `ConsoleNotes`, in
+`watch.py` with the watches that feed it.
 """
 
 from __future__ import annotations
@@ -31,9 +30,9 @@ from areal_like.core.types import RolloutStats, VersionAnnouncement, WeightUpdat
 from areal_like.orchestration.peers import RolloutPeers
 from areal_like.orchestration.run_dir import RunDir
 from areal_like.orchestration.trainer_errors import RunAborted, RunFailed
-from areal_like.orchestration.watch import DriftWatch, FailureNotes, FreshRewardWatch, SignalWatch, WaitNotes
+from areal_like.orchestration.watch import DriftWatch, FreshRewardWatch, SignalWatch, TruncationWatch
 
-__all__ = ["Announcer", "Checkpointer", "ColocateHold", "ConsoleNotes", "ReportLog", "RunEnd", "StopRules",
+__all__ = ["Announcer", "Checkpointer", "ColocateHold", "ReportLog", "RunEnd", "StopRules",
            "StragglerPolicy", "WeightFeed"]
 
 log = logging.getLogger("areal_like.orchestration.trainer_controller")
@@ -519,9 +518,12 @@ class StopRules:
         self.signal = SignalWatch(reward_name, max_no_signal_s=cfg.agent.max_no_signal_s)
         self.drift = DriftWatch(eta=cfg.staleness.max_staleness, lr=cfg.train.lr)
         self.fresh = FreshRewardWatch.for_config(cfg)
+        self.truncation = TruncationWatch.for_config(cfg)  # not a stop: a line when answers run to the limit
         self.skips_in_a_row = 0
         self.target_reached: tuple[int, float] | None = None
         """(version, accuracy) of the evaluation that reached `train.stop_at_eval_accuracy`."""
+        self.solved_at: int | None = None
+        """The version at which every group had scored the run's best reward for `agent.max_no_signal_s`."""
 
     def trained(self, stats: dict[str, Any]) -> str | None:
         """A step was applied: a line to say if the policy drifts from the sampler's."""
@@ -554,46 +556,14 @@ class StopRules:
     def check_signal(self, v: int) -> str | None:
         """A line to say about the learning signal, if any; raises `RunFailed` when there is none."""
         line, verdict = self.signal.check()
-        if verdict is not None:
+        if verdict is not None and self.signal.solved:  # an end, not a failure
+            log.warning("%s", verdict)
+            self.solved_at = v
+        elif verdict is not None:
             raise RunFailed(f"{verdict}\nthe run stopped at v{v}")
         return line
 
-
-class ConsoleNotes:
-    """What the user reads while the trainer runs: each step (`on_step`), what it waits for
-    (`on_wait`, else the log, one line every ~10 s), failing episodes (every ~60 s) — a
-    printed line puts the next waiting note off."""
-
-    def __init__(self, on_step: Callable[[dict[str, Any]], None] | None, on_wait: Callable[[str], None] | None) -> None:
-        self.on_step = on_step
-        self.on_wait = on_wait
-        """Prints what the trainer waits for (the console's `Progress.waiting`); else the log."""
-        self.wait_notes = WaitNotes()
-        self.failure_notes = FailureNotes()
-
-    def step(self, rec: dict[str, Any], evals: list[dict[str, Any]]) -> None:
-        if self.on_step is None:
-            return
-        if evals:  # the last held-out evaluation, for the progress line
-            rec = {**rec, "eval_accuracy": evals[-1]["accuracy"], "eval_version": evals[-1]["version"]}
-        self.on_step(rec)
-        self.wait_notes.printed()
-
-    def warn(self, line: str) -> None:
-        log.warning("%s", line)
-        self.wait_notes.printed()
-
-    def failures(self, msg: RolloutStats) -> None:
-        line = self.failure_notes.report(msg)
-        if line is not None:
-            self.warn(line)
-
-    def due(self) -> bool:
-        """Whether a waiting note is due."""
-        return self.wait_notes.due()
-
-    def say(self, line: str) -> None:
-        if self.on_wait is not None:
-            self.on_wait(line)
-        else:
-            log.info("waiting: %s", line)
+    @property
+    def ended(self) -> str | None:
+        """Why the run ends before `train.total_steps`, if it does: `target_reached` or `solved`."""
+        return "target_reached" if self.target_reached is not None else "solved" if self.solved_at is not None else None

@@ -1,6 +1,7 @@
 """What the trainer's console says when a run is not learning or its episodes fail
-(docs/design.md §10.13, §10.18). Plain bookkeeping, no I/O: the trainer controller feeds
-it and prints or raises what it returns.
+(docs/design.md §10.13, §10.18). The watches are plain bookkeeping, no I/O: the trainer
+controller feeds them and prints or raises what they return, through `ConsoleNotes` (each
+step's line, what the trainer waits for, warnings), the one place these lines go out.
 
 - `SignalWatch`: groups whose samples all scored the same carry no GRPO signal and are
   dropped as `filtered` (`staleness.filter_uniform_groups`). When nothing but such groups
@@ -29,13 +30,17 @@ it and prints or raises what it returns.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from areal_like.core.types import EpisodeFailures, RolloutStats, TrajectoryGroup
 
-__all__ = ["SignalWatch", "FailureNotes", "WaitNotes", "DriftWatch", "FreshRewardWatch", "TruncationWatch"]
+log = logging.getLogger("areal_like.orchestration.trainer_controller")  # the run's log reads as one
+
+__all__ = ["ConsoleNotes", "SignalWatch", "FailureNotes", "WaitNotes", "DriftWatch", "FreshRewardWatch", "TruncationWatch"]
 
 
 def _values(counts: Counter[float], most: int = 4) -> str:
@@ -107,11 +112,18 @@ class SignalWatch:
         self.total_uniform = 0
         self.total_groups = 0
         self._said_at: float | None = None
+        self.best: float | None = None
+        """The highest reward any sample of the run scored."""
+        self.worst: float | None = None
 
     def group(self, group: TrajectoryGroup, outcome: str | None) -> None:
         """A group arrived at the buffer; `outcome` is what the buffer did with it
         (`None`: kept for training, `filtered`: uniform rewards, other drops ignored)."""
         self.total_groups += 1
+        rewards = [float(t.reward) for t in group.trajectories]
+        if rewards:
+            self.best = max(rewards) if self.best is None else max(self.best, *rewards)
+            self.worst = min(rewards) if self.worst is None else min(self.worst, *rewards)
         if outcome is None:
             self.since, self.uniform, self._said_at = None, 0, None
             self.values.clear()
@@ -122,6 +134,13 @@ class SignalWatch:
             self.uniform += 1
             self.values.update(round(float(t.reward), 4) for t in group.trajectories)
 
+    @property
+    def solved(self) -> bool:
+        """The groups without signal all scored the run's best reward, and other rewards were seen:
+        a task learned to its ceiling, not a reward that cannot tell answers apart."""
+        return (len(self.values) == 1 and self.best is not None and self.worst is not None
+                and self.worst < self.best and next(iter(self.values)) == round(self.best, 4))
+
     def check(self) -> tuple[str | None, str | None]:
         """`(line, verdict)`: a console line to print now (or None), and, past
         `max_no_signal_s` without a group to learn from, why the run must stop."""
@@ -129,6 +148,18 @@ class SignalWatch:
             return None, None
         now = self.clock()
         waited = now - self.since
+        if self.solved:
+            what = (f"every sample of the last {self.uniform} groups ({waited:.0f}s) scored {self.best:g}, the best "
+                    f"reward of this run (reward {self.reward_name!r}): the policy solves these prompts. "
+                    "dataset.skip_solved_after=2 serves the unsolved ones instead; train.stop_at_eval_accuracy "
+                    "ends a run at a held-out target")
+            if waited >= self.max_no_signal_s:
+                return None, f"the task is solved: {what}; the run ends here (agent.max_no_signal_s)"
+            if waited < self.name_after_s or (self._said_at is not None and now - self._said_at < self.every_s):
+                return None, None
+            self._said_at = now
+            return (f"{what}. The run ends in {self.max_no_signal_s - waited:.0f}s (agent.max_no_signal_s) unless a "
+                    "group with different rewards arrives."), None
         what = (f"all {self.uniform} groups of the last {waited:.0f}s scored the same within each group "
                 f"(reward {self.reward_name!r}, samples: {_values(self.values)}); staleness.filter_uniform_groups "
                 "drops them (set it false to train on them with advantage 0), so there is nothing to train on")
@@ -281,3 +312,43 @@ class FreshRewardWatch:
                 f"{best:.2f} at step {at}: the policy got worse.{stale} In the staleness ablation, runs like "
                 f"this had collapsed (docs/staleness.md).{setting} Lower staleness.max_staleness or train.lr "
                 f"(now {self.lr:g}), or resume from a checkpoint of step {at} or earlier")
+
+
+class ConsoleNotes:
+    """What the user reads while the trainer runs: each step (`on_step`), what it waits for
+    (`on_wait`, else the log, one line every ~10 s), failing episodes (every ~60 s) — a
+    printed line puts the next waiting note off."""
+
+    def __init__(self, on_step: Callable[[dict[str, Any]], None] | None, on_wait: Callable[[str], None] | None) -> None:
+        self.on_step = on_step
+        self.on_wait = on_wait
+        """Prints what the trainer waits for (the console's `Progress.waiting`); else the log."""
+        self.wait_notes = WaitNotes()
+        self.failure_notes = FailureNotes()
+
+    def step(self, rec: dict[str, Any], evals: list[dict[str, Any]]) -> None:
+        if self.on_step is None:
+            return
+        if evals:  # the last held-out evaluation, for the progress line
+            rec = {**rec, "eval_accuracy": evals[-1]["accuracy"], "eval_version": evals[-1]["version"]}
+        self.on_step(rec)
+        self.wait_notes.printed()
+
+    def warn(self, line: str) -> None:
+        log.warning("%s", line)
+        self.wait_notes.printed()
+
+    def failures(self, msg: RolloutStats) -> None:
+        line = self.failure_notes.report(msg)
+        if line is not None:
+            self.warn(line)
+
+    def due(self) -> bool:
+        """Whether a waiting note is due."""
+        return self.wait_notes.due()
+
+    def say(self, line: str) -> None:
+        if self.on_wait is not None:
+            self.on_wait(line)
+        else:
+            log.info("waiting: %s", line)
