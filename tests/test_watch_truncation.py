@@ -19,17 +19,29 @@ def _group(cut: list[bool]) -> TrajectoryGroup:
 
 
 def test_truncation_line_once_when_the_share_rises_then_again_after_it_fell() -> None:
-    w = TruncationWatch(response_length=16, window=8, threshold=0.5)
+    w = TruncationWatch(response_length=16, window=8, threshold=0.5, rise=0.25)
     assert w.group(_group([False] * 4)) is None
-    assert w.group(_group([True, False, False, False])) is None  # 1 of 8
+    assert w.group(_group([True, False, False, False])) is None  # the first window: 1 of 8
     line = w.group(_group([True] * 4))  # 5 of 8
     assert line is not None and "62% of the last 8 answers were cut by the length limit" in line
+    assert "up from 12% at the start" in line
     assert "rollout.response_length=16" in line and "train.loss.mask_truncated=true" in line
     assert w.group(_group([True] * 4)) is None  # said once
-    assert w.group(_group([False] * 4)) is None  # 4 of 8: still not under half the threshold
+    assert w.group(_group([False] * 4)) is None  # 4 of 8: not yet back down
     assert w.group(_group([False] * 4)) is None  # 0 of 8: re-armed
     again = w.group(_group([True] * 4))  # 4 of 8: at the threshold
     assert again is not None and again.startswith("50% of the last 8 answers")
+
+
+def test_a_model_that_starts_out_cut_is_named_once_from_its_first_window() -> None:
+    w = TruncationWatch(response_length=16, window=8, threshold=0.5, rise=0.25)
+    assert w.group(_group([True, True, False, False])) is None
+    line = w.group(_group([True, True, True, False]))  # 5 of 8 in the first window
+    assert line is not None and line.startswith("62% of the run's first 8 answers were cut")
+    assert w.group(_group([True, True, False, False])) is None  # 5 of 8: where it started
+    assert w.group(_group([True] * 4)) is None  # 6 of 8: not 25 points over the start
+    rose = w.group(_group([True] * 4))  # 8 of 8
+    assert rose is not None and "up from 62% at the start" in rose
 
 
 def test_truncation_line_names_the_options_already_on() -> None:

@@ -163,6 +163,10 @@ class DatasetConfig(_Section):
         return self
 
 
+EMBEDDED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+"""The architectures (`model_type` in config.json) the embedded engine computes."""
+
+
 class EmbeddedEngineConfig(_Section):
     type: Literal["embedded"] = "embedded"
     model_impl: Literal["auto", "hf"] = "auto"

@@ -32,7 +32,7 @@ import yaml
 from areal_like.core.config import ConfigError, ExperimentConfig
 from rollout_cluster.loader import is_user_code_spec, load_object
 
-__all__ = ["check_metrics_backends", "check_user_code", "config_dir", "resolve_file", "resolve_model_path", "resolve_paths"]
+__all__ = ["check_metrics_backends", "check_model", "check_user_code", "config_dir", "resolve_file", "resolve_model_path", "resolve_paths"]
 
 
 def config_dir(cfg: ExperimentConfig) -> Path | None:
@@ -175,3 +175,39 @@ def resolve_model_path(cfg: ExperimentConfig) -> Path:
         if (c / "config.json").is_file():
             return c.resolve()
     raise ConfigError(f"model.path={cfg.model.path!r}: no HF model folder (config.json) at {[str(c) for c in candidates]}")
+
+
+def check_model(cfg: ExperimentConfig) -> None:
+    """What the model folder must hold for this config, read from its JSON files alone (no
+    torch, no weights), before any process, port or checkpoint: an architecture the chosen
+    engine computes, and a chat template (every prompt is rendered with it; a string prompt
+    becomes one user message). Raises `ConfigError` naming the folder, what is wrong and the fix."""
+    import json
+
+    from areal_like.core.config import EMBEDDED_MODEL_TYPES
+
+    folder = resolve_model_path(cfg)
+    try:
+        conf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={folder}: config.json is not readable JSON ({e})") from None
+    model_type = conf.get("model_type")
+    if cfg.rollout.engine.type == "embedded" and model_type not in EMBEDDED_MODEL_TYPES:
+        raise ConfigError(f"model.path={folder}: model type {model_type!r} is not one the embedded engine computes "
+                          f"({', '.join(EMBEDDED_MODEL_TYPES)}); set rollout.engine.type=vllm (docs/launching.md)")
+    if not _has_chat_template(folder):
+        raise ConfigError(f"model.path={folder}: the tokenizer has no chat template, and every prompt is rendered "
+                          "with one (a string prompt becomes one user message): add one as chat_template.jinja in "
+                          "that folder, or as `chat_template` in its tokenizer_config.json")
+
+
+def _has_chat_template(folder: Path) -> bool:
+    import json
+
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        tok = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return True  # not ours to judge here: the tokenizer's own loader says what is wrong
+    return bool(tok.get("chat_template"))

@@ -128,6 +128,10 @@ async def serve_main(
             f"refusing to serve on {host!r} without an api key (--api-key or AREAL_LIKE_API_KEY); "
             "only 127.0.0.1 / localhost / ::1 may go without one"
         )
+    if servers is None:  # the model folder fits the engine: one line, before anything loads
+        from areal_like.orchestration.paths import check_model
+
+        check_model(cfg)
     logging.getLogger().setLevel(cfg.run.log_level)
     parser = get_tool_parser(cfg.agent.tool_parser)
     stop = stop or asyncio.Event()

@@ -53,17 +53,22 @@ def _values(counts: Counter[float], most: int = 4) -> str:
 
 class TruncationWatch:
     """One line when the share of answers cut by the length limit, over the last `window`
-    samples that arrived (trained or filtered), reaches `threshold`; again only after it
-    fell below half of it."""
+    samples that arrived (trained or filtered), reaches `threshold` and has risen by `rise`
+    since the run's first window; again only after it fell below half of it. A model whose
+    answers start out cut that often is named once, from its first window: that is a length
+    limit to look at, not a policy that stopped ending its answers."""
 
     def __init__(self, *, response_length: int, mask_truncated: bool = False, overlong_buffer: int = 0,
-                 threshold: float = 0.5, window: int = 64) -> None:
+                 threshold: float = 0.5, rise: float = 0.25, window: int = 64) -> None:
         self.response_length = response_length
         self.mask_truncated = mask_truncated
         self.overlong_buffer = overlong_buffer
         self.threshold = threshold
+        self.rise = rise
         self.window = window
         self._recent: list[bool] = []
+        self.first: float | None = None
+        """The share of the run's first `window` answers."""
         self._armed = True
 
     @classmethod
@@ -77,21 +82,30 @@ class TruncationWatch:
         if len(self._recent) < self.window:
             return None
         share = sum(self._recent) / len(self._recent)
-        if not self._armed:
-            self._armed = share < self.threshold / 2
+        limit = f"the length limit (rollout.response_length={self.response_length})"
+        if self.first is None:
+            self.first = share
+            if share >= self.threshold:
+                return (f"{share:.0%} of the run's first {len(self._recent)} answers were cut by {limit}: raise it if "
+                        "the answers need the room, or let the run teach shorter ones" + self._settings())
             return None
-        if share < self.threshold:
+        if not self._armed:
+            self._armed = share < self.threshold / 2 or share < self.first + self.rise / 2
+            return None
+        if share < self.threshold or share < self.first + self.rise:
             return None
         self._armed = False
+        return (f"{share:.0%} of the last {len(self._recent)} answers were cut by {limit}, up from {self.first:.0%} at "
+                "the start: a policy that stops ending its answers loses what the reward reads at the end"
+                + self._settings())
+
+    def _settings(self) -> str:
         on = [k for k, v in (("train.loss.mask_truncated", self.mask_truncated),
                              ("train.loss.overlong_buffer", self.overlong_buffer)) if v]
-        setting = (f" ({' and '.join(on)} on)" if on else
-                   "; train.loss.mask_truncated=true keeps them out of the loss, train.loss.overlong_buffer=N "
-                   "penalises answers that run into the last N tokens (DAPO)")
-        return (f"{share:.0%} of the last {len(self._recent)} answers were cut by the length limit "
-                f"(rollout.response_length={self.response_length}): a policy that stops ending its answers loses "
-                f"what the reward reads at the end. Raise rollout.response_length if the answers need the room"
-                f"{setting}")
+        if on:
+            return f" ({' and '.join(on)} on)"
+        return ("; train.loss.mask_truncated=true keeps them out of the loss, train.loss.overlong_buffer=N "
+                "penalises answers that run into the last N tokens (DAPO)")
 
 
 class SignalWatch:

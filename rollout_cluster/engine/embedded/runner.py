@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from areal_like.core.config import EMBEDDED_MODEL_TYPES
 from rollout_cluster.engine.base import NamedTensors
 from rollout_cluster.engine.embedded.cache import KVSlots
 from rollout_cluster.engine.embedded.scheduler import PrefillPlan, Seq
@@ -29,7 +30,7 @@ from rollout_cluster.engine.sampling import SamplingBatch, sample_tokens
 
 __all__ = ["ModelRunner", "SUPPORTED_MODEL_TYPES", "Staged"]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = EMBEDDED_MODEL_TYPES  # checked before anything starts too (orchestration/paths.py)
 
 Staged = list[tuple[torch.Tensor, torch.Tensor]]
 """(destination parameter, checked copy of the incoming tensor) pairs."""
