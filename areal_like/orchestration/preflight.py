@@ -167,7 +167,12 @@ def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *
               overwrite: bool = False) -> None:
     """Every check that needs nothing started: raises `ConfigError`, `RunDirError` or
     `RunFinished` (a `--resume` with nothing left to do) with one clear line."""
-    from areal_like.orchestration.paths import check_metrics_backends, check_model, check_user_code, resolve_paths
+    from areal_like.orchestration.paths import (
+        check_metrics_backends,
+        check_model,
+        check_user_code,
+        resolve_paths,
+    )
     from areal_like.orchestration.run_dir import RunDir, RunDirError, RunFinished
 
     resolve_paths(cfg)  # every relative path absolute, once, before anything starts (§10.12)
