@@ -37,6 +37,8 @@ def test_grpo_trainer_with_callables_and_rows(tiny_model_dir, tmp_path, capfd) -
     assert summary["trained"] == 2 * 8
     err = capfd.readouterr().err  # the API shows the CLI's progress display
     assert "dashboard: http://127.0.0.1:" in err and "step 2/2  reward" in err, err[-2000:]
+    # the end on the console and in the summary: the last evaluation (of the final version)
+    assert f"held-out accuracy {summary['eval_accuracy']:.3f} at v{summary['eval_version']}" in err, err[-2000:]
     assert "pid=" not in err, err[-2000:]  # quiet: Ray's worker output is in the run's log file
     assert "train[0]" in (tmp_path / "run" / "run.log").read_text()
     trajs = read_jsonl(tmp_path / "run" / "trajectories.jsonl")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -308,6 +309,9 @@ def test_dead_engine_with_a_restart_comes_back_and_the_run_finishes(tiny_model_d
     log = (tmp_path / "run" / "run.log").read_text()  # the rollout side's lines: the run's log file
     assert "restarting rollout server server-0" in log and "back in rotation" in log, log[-3000:]
     assert "done:" in out
+    # the end is on the console, just before `done:`: the final version's evaluation
+    end = out[:out.index("done:")].rstrip().splitlines()[-1]
+    assert re.match(r"held-out accuracy \d\.\d{3} at v\d+, the last evaluation", end), out[-3000:]
 
 
 # An engine that dies while it loads a version (vLLM's engine core killed during the

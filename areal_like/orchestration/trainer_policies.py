@@ -515,7 +515,8 @@ class StopRules:
 
     def __init__(self, cfg: ExperimentConfig, reward_name: str) -> None:
         self.cfg = cfg
-        self.signal = SignalWatch(reward_name, max_no_signal_s=cfg.agent.max_no_signal_s)
+        self.signal = SignalWatch(reward_name, max_no_signal_s=cfg.agent.max_no_signal_s,
+                                  skip_solved_after=cfg.dataset.skip_solved_after)
         self.drift = DriftWatch(eta=cfg.staleness.max_staleness, lr=cfg.train.lr)
         self.fresh = FreshRewardWatch.for_config(cfg)
         self.truncation = TruncationWatch.for_config(cfg)  # not a stop: a line when answers run to the limit

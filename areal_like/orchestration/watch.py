@@ -112,8 +112,10 @@ class SignalWatch:
     """Counts groups without a learning signal since the last one that had it."""
 
     def __init__(self, reward_name: str, *, max_no_signal_s: float, name_after_s: float = 10.0,
-                 every_s: float = 30.0, min_groups: int = 2, clock: Any = time.monotonic) -> None:
+                 every_s: float = 30.0, min_groups: int = 2, clock: Any = time.monotonic,
+                 skip_solved_after: int = 0) -> None:
         self.reward_name = reward_name
+        self.skip_solved_after = skip_solved_after
         self.max_no_signal_s = max_no_signal_s
         self.name_after_s = name_after_s
         self.every_s = every_s
@@ -164,9 +166,11 @@ class SignalWatch:
         waited = now - self.since
         if self.solved:
             what = (f"every sample of the last {self.uniform} groups ({waited:.0f}s) scored {self.best:g}, the best "
-                    f"reward of this run (reward {self.reward_name!r}): the policy solves these prompts. "
-                    "dataset.skip_solved_after=2 serves the unsolved ones instead; train.stop_at_eval_accuracy "
-                    "ends a run at a held-out target")
+                    f"reward of this run (reward {self.reward_name!r}): the policy solves these prompts"
+                    + ("; dataset.skip_solved_after=2 serves the unsolved ones instead" if not self.skip_solved_after
+                       else f" (dataset.skip_solved_after={self.skip_solved_after}: every prompt is solved, so all "
+                            "are served again)")
+                    + "; train.stop_at_eval_accuracy ends a run at a held-out target")
             if waited >= self.max_no_signal_s:
                 return None, f"the task is solved: {what}; the run ends here (agent.max_no_signal_s)"
             if waited < self.name_after_s or (self._said_at is not None and now - self._said_at < self.every_s):

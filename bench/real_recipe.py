@@ -1,0 +1,131 @@
+"""The real-model recipe over seeds, and variants of it (docs/real_models.md).
+
+Runs `areal-like run configs/smollm2.yaml` once per seed (and per `--variant`, each a set of
+`--set` overrides on the recipe), then reads each run's records: held-out accuracy at
+version 0, at its best and at the last version; the rise (last − v0) and how much of the
+best the end kept (last / best); the seconds from the command to the first train step and
+to the end; the share of answers cut by the length limit over the last steps. Across seeds:
+the mean rise with a 95 % t-interval, and each variant against the recipe paired by seed
+(last version's accuracy, and the mean over the run's evaluations).
+
+    python bench/real_recipe.py --seeds 0,1,2 \\
+        --variant mask=train.loss.mask_truncated=true --variant overlong=train.loss.overlong_buffer=4
+    python bench/real_recipe.py --smoke   # the toy model on the recipe's task, 2 steps
+
+The model must be fetched first (`areal-like model fetch smollm2-135m-instruct`). `--reuse`
+reads runs already in the output folder instead of running them again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _record import out_dir, parse  # noqa: E402
+from _runs import records, run_cli  # noqa: E402
+
+sys.path.pop(0)
+
+SMOKE = {"seeds": "0", "sets": ["model.path=areal_like/assets/quickstart_model", "train.total_steps=2",
+                                "eval.num_samples=8", "rollout.max_prompt_len=160",
+                                "rollout.engine.max_seq_len=256",
+                                "staleness.filter_uniform_groups=false"]}  # the toy scores 0 on this task
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def interval(xs: list[float]) -> dict[str, Any]:
+    """Mean and 95 % t-interval (None with one value)."""
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return {"mean": round(m, 4), "ci95": None, "n": len(xs)}
+    half = T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return {"mean": round(m, 4), "ci95": [round(m - half, 4), round(m + half, 4)], "n": len(xs)}
+
+
+def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
+    recs = records(run_dir)
+    evals = [(r["trainer_version"], r["accuracy"]) for r in recs if r["kind"] == "eval"]
+    steps = [r for r in recs if r["kind"] == "train_step"]
+    summary = next((r for r in reversed(recs) if r["kind"] == "summary"), {})
+    startup = next((r for r in recs if r["kind"] == "startup"), {})
+    if summary.get("evals"):  # the versions the rollout side evaluated (an eval record's own is the trainer's)
+        evals = [(e["version"], e["accuracy"]) for e in summary["evals"]]
+    v0, last = evals[0][1], evals[-1][1]
+    best = max(a for _, a in evals)
+    tail = steps[-10:]
+    t0 = t_command if t_command is not None else recs[0]["time"] - startup.get("trainer_side", 0.0)
+    return {
+        "evals": [[v, a] for v, a in evals],
+        "eval_v0": v0, "eval_best": best, "eval_last": last, "eval_mean": round(statistics.mean(a for _, a in evals), 4),
+        "rise": round(last - v0, 4), "kept_of_best": round(last / best, 4) if best else None,
+        "steps": len(steps), "ended": summary.get("ended"),
+        "first_step_s": round(steps[0]["time"] - t0, 1) if steps else None,
+        "end_s": round(summary["time"] - t0, 1) if summary else None,
+        "truncated_frac_last10": round(statistics.mean(r.get("truncated_frac", 0.0) for r in tail), 3) if tail else None,
+        "response_len_last10": round(statistics.mean(r["response_len_mean"] for r in tail), 1) if tail else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/smollm2.yaml")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=KEY=VALUE[,KEY=VALUE...]: the recipe with these overrides, paired with it by seed")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE for every run")
+    ap.add_argument("--reuse", action="store_true", help="read runs already in the output folder")
+    ap.add_argument("--out", default=None)
+    args, rec = parse(ap, __file__, SMOKE, argv)
+    out = out_dir(args.out, "real_recipe", args.smoke)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    variants: dict[str, list[str]] = {"recipe": []}
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        variants[name] = [kv for kv in rest.split(",") if kv]
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, sets in variants.items():
+        for seed in seeds:
+            run_dir = out / f"{name}_s{seed}"
+            if not (args.reuse and (run_dir / "metrics.jsonl").is_file()):
+                print(f"[real_recipe] {name} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
+                t0 = time.time()
+                cores = run_cli(args.config, [*args.sets, *sets, f"run.seed={seed}"], run_dir, timeout_s=3600)
+                got = read_run(run_dir, t0)
+                got["other_cores_during"] = cores.get("other_cores")
+            else:
+                got = read_run(run_dir)
+            runs.setdefault(name, {})[seed] = got
+            print(f"[real_recipe] {name} seed {seed}: {json.dumps(got)}", file=sys.stderr, flush=True)
+    table = {}
+    for name, by_seed in runs.items():
+        vals = list(by_seed.values())
+        row = {"rise": interval([r["rise"] for r in vals]),
+               "eval_last": interval([r["eval_last"] for r in vals]),
+               "kept_of_best_min": min(r["kept_of_best"] or 0.0 for r in vals),
+               "first_step_s_max": max(r["first_step_s"] or 0.0 for r in vals),
+               "end_s_max": max(r["end_s"] or 0.0 for r in vals),
+               "truncated_frac_last10": interval([r["truncated_frac_last10"] or 0.0 for r in vals])}
+        if name != "recipe":
+            base = runs["recipe"]
+            common = [s for s in by_seed if s in base]
+            row["vs_recipe_last"] = interval([by_seed[s]["eval_last"] - base[s]["eval_last"] for s in common])
+            row["vs_recipe_along_run"] = interval([by_seed[s]["eval_mean"] - base[s]["eval_mean"] for s in common])
+        table[name] = row
+    result = {"config": args.config, "seeds": seeds, "variants": variants, "table": table,
+              "runs": {n: {str(s): r for s, r in v.items()} for n, v in runs.items()}}
+    return rec.finish(result)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
