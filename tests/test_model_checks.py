@@ -76,3 +76,29 @@ def test_run_refuses_a_tokenizer_without_chat_template(no_template_dir, tmp_path
     _one_line_exit_2(["run", "configs/quickstart.yaml", "--set", f"model.path={no_template_dir}",
                       "--set", f"run.dir={run_dir}"], run_dir, str(no_template_dir), "no chat template",
                      "chat_template.jinja")
+
+
+def test_stop_token_ids_out_of_the_vocabulary_are_refused_before_start(tiny_model_dir, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    _one_line_exit_2(["run", "configs/quickstart.yaml", "--set", f"model.path={tiny_model_dir}",
+                      "--set", f"run.dir={run_dir}", "--set", "rollout.stop_token_ids=[5,100000]"],
+                     run_dir, "rollout.stop_token_ids [100000] are outside the vocabulary")
+
+
+def test_stop_token_ids_end_every_answer_at_the_first_such_token(tiny_model_dir, tmp_path) -> None:
+    """`rollout.stop_token_ids` reaches the engine: with every id of the vocabulary a stop
+    id, each answer is one token long, and that token is kept (vLLM's semantics)."""
+    import transformers
+
+    vocab = transformers.AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    run_dir = tmp_path / "run"
+    sets = [f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.total_steps=1", "train.batch_size=2",
+            "rollout.group_size=2", "dataset.form=single_turn", "agent.default_loop=single_turn",
+            "staleness.filter_uniform_groups=false", "run.record_trajectories=true", "eval.num_samples=4",
+            f"rollout.stop_token_ids={list(range(vocab))}"]
+    r = subprocess.run([*CLI, "run", "configs/quickstart.yaml", *[a for s in sets for a in ("--set", s)]],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    trajs = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert trajs and all(len(t["response_ids"]) == 1 for t in trajs), [t["response_ids"] for t in trajs]

@@ -228,6 +228,9 @@ class RolloutConfig(_Section):
     """Nucleus sampling; <1 makes importance weights approximate (logged)."""
     top_k: int = Field(-1, ge=-1)
     """Top-k sampling; -1 = off."""
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """More ids that end an answer (vLLM's `stop_token_ids`), besides the model's own: the eos ids of
+    its generation config and its tokenizer's eos. For training episodes and evaluations, either engine."""
     interrupt_mode: Literal["recompute", "keep", "wait"] = "recompute"
     """Weight update during generation: recompute KV (default), keep stale KV
     (ablation, breaks invariant 3), or wait for in-flight requests to finish."""

@@ -195,6 +195,11 @@ def check_model(cfg: ExperimentConfig) -> None:
     if cfg.rollout.engine.type == "embedded" and model_type not in EMBEDDED_MODEL_TYPES:
         raise ConfigError(f"model.path={folder}: model type {model_type!r} is not one the embedded engine computes "
                           f"({', '.join(EMBEDDED_MODEL_TYPES)}); set rollout.engine.type=vllm (docs/launching.md)")
+    vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
+    bad = [t for t in cfg.rollout.stop_token_ids if isinstance(vocab, int) and t >= vocab]
+    if bad:
+        raise ConfigError(f"rollout.stop_token_ids {bad} are outside the vocabulary of model.path={folder} "
+                          f"(vocab_size {vocab})")
     if not _has_chat_template(folder):
         raise ConfigError(f"model.path={folder}: the tokenizer has no chat template, and every prompt is rendered "
                           "with one (a string prompt becomes one user message): add one as chat_template.jinja in "

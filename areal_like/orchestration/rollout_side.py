@@ -130,7 +130,8 @@ class RolloutSide:
                                 dead_s=t.peer_dead_s, resend_after_s=t.resend_after_s, max_resends=t.max_resends)
             subscriber = ControlSubscriber(self.control_addr, cfg.transport.secret)
             sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                      top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.response_length)
+                                      top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.response_length,
+                                      stop_token_ids=list(cfg.rollout.stop_token_ids))
             if sampling.approximate_logprobs:
                 log.warning("rollout.top_p/top_k truncate sampling: importance weights are approximate")
             gate = self._build_gate()
