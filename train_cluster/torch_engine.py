@@ -144,6 +144,8 @@ class TorchTrainEngine(TrainEngine):
         from train_cluster.optim import AdamW
 
         self._optimizer = AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)
+        if self.device.type == "cpu":  # the first step's allocation, paid now while the first batch is sampled
+            self._optimizer.init_state()
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, factor)
         self._ref: Any = None
         if train_cfg.loss.kl_coef > 0:

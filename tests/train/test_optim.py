@@ -49,6 +49,25 @@ def test_adamw_is_torchs_bit_for_bit_and_their_states_load_into_each_other() -> 
     assert all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), theirs_m.parameters(), strict=True))
 
 
+def test_state_made_before_the_first_step_changes_nothing() -> None:
+    """`init_state` makes what the first `step` would (and nothing for a frozen parameter)."""
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 8) for _ in range(4)]
+    early_m, lazy_m = _model(), _model()
+    early_m[2].bias.requires_grad_(False)
+    lazy_m[2].bias.requires_grad_(False)
+    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    early, lazy = AdamW(early_m.parameters(), **kw), torch.optim.AdamW(lazy_m.parameters(), **kw)
+    assert early.init_state() == 2 * 4 * (8 * 16 + 16 + 16 * 3)
+    assert early_m[2].bias not in early.state
+    _steps(early_m, early, xs)
+    _steps(lazy_m, lazy, xs)
+    assert all(torch.equal(a, b) for a, b in zip(early_m.parameters(), lazy_m.parameters(), strict=True))
+    a, b = early.state_dict(), lazy.state_dict()
+    assert a["state"].keys() == b["state"].keys()
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
 def test_a_train_engine_steps_without_importing_dynamo() -> None:
     """Through the real engine: build, step twice, read the lr; `torch._dynamo` never loads.
     (If a torch release moves its dynamo hooks, this says the start-up saving is gone.)"""
