@@ -53,6 +53,10 @@ class SamplingParams(_Strict):
     requests draw the same numbers they would have drawn uninterrupted."""
     n: int = Field(1, ge=1, le=1024)
     """Number of samples for this prompt (engine level)."""
+    priority: int = Field(0, ge=0, le=100)
+    """Lower goes first (vLLM's meaning): an engine starts a waiting request of priority 0
+    before any of priority 1. Evaluations run at 1, so they take the capacity that training
+    episodes leave, not the next batch's (the embedded engine; vLLM's default FCFS ignores it)."""
 
     @property
     def approximate_logprobs(self) -> bool:

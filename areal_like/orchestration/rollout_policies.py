@@ -400,7 +400,8 @@ class Evaluator:
         progress = self._progress[version] = EvalProgress(version=version, done=0, total=len(self.rows))
 
         async def one(k: int, row: dict[str, Any]) -> float:
-            sp = self.sampling.model_copy(update={"seed": episode_seed(self.seed + 7, f"eval{version}", k)})
+            sp = self.sampling.model_copy(update={"seed": episode_seed(self.seed + 7, f"eval{version}", k),
+                                                  "priority": 1})  # behind training episodes (SamplingParams)
             try:
                 out = await self.episodes.run_episode(row, sp, f"eval-v{version}-{k}")
                 return 0.0 if out is None else float(await self.episodes.score(row, out))

@@ -29,8 +29,9 @@ def entry(n: int, fill: float = 0.0, logits: bool = False) -> PrefixEntry:
     return PrefixEntry(k, k.clone(), torch.zeros(4) if logits else None)
 
 
-def seq(rid: str, ids: list[int], max_tokens: int = 8) -> Seq:
-    return Seq(rid, list(ids), len(ids), SamplingParams(max_tokens=max_tokens), 0, len(ids) + max_tokens, frozenset())
+def seq(rid: str, ids: list[int], max_tokens: int = 8, params: SamplingParams | None = None) -> Seq:
+    params = params or SamplingParams(max_tokens=max_tokens)
+    return Seq(rid, list(ids), len(ids), params, 0, len(ids) + params.max_tokens, frozenset())
 
 
 def small_kv(slots: int = 4) -> KVSlots:
@@ -180,3 +181,17 @@ def test_a_server_request_is_validated_once(tiny_model_dir, monkeypatch):
 
     asyncio.run(main())
     assert calls == ["one", "many"]
+
+
+def test_a_priority_0_request_is_admitted_before_waiting_priority_1_ones():
+    """Evaluations (priority 1) take the slots training episodes leave: a training request
+    that arrives later still starts first; within a level, arrival order holds."""
+    sched = Scheduler(small_kv(), None, max_slots=2, max_prefill_tokens=100)
+    low = SamplingParams(max_tokens=4, priority=1)
+    for rid in ("e0", "e1", "e2"):
+        sched.add(seq(rid, [1, 2], params=low))
+    sched.add(seq("t0", [1, 2]))
+    sched.add(seq("e3", [1, 2], params=low))
+    sched.add(seq("t1", [1, 2]))
+    assert [s.request_id for s in sched.waiting] == ["t0", "t1", "e0", "e1", "e2", "e3"]
+    assert [s.request_id for s in sched.admit()] == ["t0", "t1"]

@@ -125,7 +125,13 @@ class Scheduler:
     def add(self, seq: Seq) -> None:
         assert seq.request_id not in self.by_id, seq.request_id
         self.by_id[seq.request_id] = seq
-        self.waiting.append(seq)
+        p = seq.params.priority
+        if not self.waiting or self.waiting[-1].params.priority <= p:
+            self.waiting.append(seq)
+            return
+        # before the first waiting request of a larger number (lower priority): stable within a level
+        at = next(i for i, w in enumerate(self.waiting) if w.params.priority > p)
+        self.waiting.insert(at, seq)
 
     def abort(self, request_id: str) -> Seq | None:
         """Mark a request aborted; a waiting one leaves now, a running one at `retire`."""
