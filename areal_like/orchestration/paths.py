@@ -154,12 +154,6 @@ def resolve_model_path(cfg: ExperimentConfig) -> Path:
     name of a model `areal-like model fetch` knows, once fetched."""
     from areal_like.models.fetch import cached_folder, is_known
 
-    if is_known(cfg.model.path):
-        folder = cached_folder(cfg.model.path)
-        if folder is None:
-            raise ConfigError(f"model.path={cfg.model.path!r} is not fetched yet: "
-                              f"areal-like model fetch {cfg.model.path}")
-        return folder.resolve()
     p = Path(cfg.model.path).expanduser()
     candidates = [p] if p.is_absolute() else []
     if not p.is_absolute():
@@ -174,6 +168,12 @@ def resolve_model_path(cfg: ExperimentConfig) -> Path:
     for c in candidates:
         if (c / "config.json").is_file():
             return c.resolve()
+    if is_known(cfg.model.path):  # a name `areal-like model fetch` knows (a folder of that name wins)
+        folder = cached_folder(cfg.model.path)
+        if folder is None:
+            raise ConfigError(f"model.path={cfg.model.path!r} is not fetched yet: "
+                              f"areal-like model fetch {cfg.model.path}")
+        return folder.resolve()
     raise ConfigError(f"model.path={cfg.model.path!r}: no HF model folder (config.json) at {[str(c) for c in candidates]}")
 
 

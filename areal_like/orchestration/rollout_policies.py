@@ -398,12 +398,19 @@ class Evaluator:
 
     async def _evaluate(self, version: int) -> None:
         progress = self._progress[version] = EvalProgress(version=version, done=0, total=len(self.rows))
+        # The start version's evaluation is the run's baseline: it goes with the first groups, so it
+        # ends before the first update. Later ones take the slots training episodes leave
+        # (`SamplingParams.priority`); an update that lands meanwhile shows in `max_token_version`.
+        priority = 0 if not self._evaluated - {version} else 1
+        newest = [version]
 
         async def one(k: int, row: dict[str, Any]) -> float:
             sp = self.sampling.model_copy(update={"seed": episode_seed(self.seed + 7, f"eval{version}", k),
-                                                  "priority": 1})  # behind training episodes (SamplingParams)
+                                                  "priority": priority})
             try:
                 out = await self.episodes.run_episode(row, sp, f"eval-v{version}-{k}")
+                if out is not None and out.response_versions:
+                    newest.append(max(out.response_versions))
                 return 0.0 if out is None else float(await self.episodes.score(row, out))
             except asyncio.CancelledError:
                 raise
@@ -419,7 +426,8 @@ class Evaluator:
             self._progress.pop(version, None)
         acc = sum(1 for s in scores if s >= 1.0) / max(len(scores), 1)
         await self.report(version, EvalResult(accuracy=acc, reward_mean=sum(scores) / max(len(scores), 1),
-                                              seconds=time.time() - t0, num_samples=len(scores)))
+                                              seconds=time.time() - t0, num_samples=len(scores),
+                                              max_token_version=max(newest)))
 
     async def finish(self, *, may_wait: bool, announce: Callable[[], Awaitable[None]]) -> None:
         """The last version's evaluation is the one users look at: let it finish on idle

@@ -114,8 +114,9 @@ class RunDir:
             raise RunDirError(f"--resume: {self.path} has no complete checkpoint to resume from")
         if resume and total_steps is not None and self.finished_at(total_steps) is not None:
             raise RunFinished(f"the run in {self.path} already finished at v{self.finished_at(total_steps)} "
-                              f"(train.total_steps={total_steps}); nothing to resume. Raise train.total_steps "
-                              "to train further.")
+                              f"(train.total_steps={total_steps}, or it ended by itself: `ended` in its summary); "
+                              "nothing to resume. Raise train.total_steps to train further, or, after a run that "
+                              "ended by itself, start a new one from its final/ (model.path)")
         return exists
 
     def has_final(self) -> bool:
@@ -126,16 +127,21 @@ class RunDir:
 
     def finished_at(self, total_steps: int) -> int | None:
         """The version a finished run ended at, if its summary is written and it reached
-        `total_steps` (a run that stopped early is not finished)."""
+        `total_steps` or ended by itself (`solved`, `target_reached`); a run that was stopped
+        early is not finished."""
         ckpt = self.latest_checkpoint()
         if ckpt is None or not self.metrics.is_file():
             return None
         version = int(json.loads((ckpt / "orchestrator.json").read_text())["version"])
-        if version < total_steps:
-            return None
         for line in self.metrics.read_text().splitlines()[::-1]:
             if '"kind":"summary"' in line.replace(" ", ""):
-                return version
+                try:
+                    ended = json.loads(line).get("ended")
+                except ValueError:
+                    ended = None
+                # a run that ended by itself before total_steps (its task solved, its eval target
+                # reached) is finished too: resuming it would only wait for a signal that is gone
+                return version if version >= total_steps or ended in ("solved", "target_reached") else None
         return None
 
     def prepare(self, cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> None:

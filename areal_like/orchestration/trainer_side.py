@@ -94,7 +94,8 @@ class TrainerSide:
         lending = thread_lending(cfg)
         lend = ({"path": lending["path"], "borrow": lending["train_borrow"], "grace_s": lending["train_grace_s"]}
                 if lending else None)
-        self.group = TrainWorkerGroup(self.model_path, cfg.train, dtype=cfg.model.dtype, seed=cfg.run.seed, lend=lend,
+        self.group = TrainWorkerGroup(self.model_path, cfg.train_for_workers(), dtype=cfg.model.dtype,
+                                      seed=cfg.run.seed, lend=lend,
                                       placement_group=self.placement_group, launcher=self.launcher,
                                       colocate=cfg.cluster.colocate,
                                       log_level=cfg.run.log_level,

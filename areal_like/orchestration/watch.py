@@ -131,12 +131,16 @@ class SignalWatch:
         self.best: float | None = None
         """The highest reward any sample of the run scored."""
         self.worst: float | None = None
+        self.early: list[float] = []
+        """The rewards of the run's first `early_samples` samples."""
+        self.early_samples = 64
 
     def group(self, group: TrajectoryGroup, outcome: str | None) -> None:
         """A group arrived at the buffer; `outcome` is what the buffer did with it
         (`None`: kept for training, `filtered`: uniform rewards, other drops ignored)."""
         self.total_groups += 1
         rewards = [float(t.reward) for t in group.trajectories]
+        self.early.extend(rewards[: self.early_samples - len(self.early)])
         if rewards:
             self.best = max(rewards) if self.best is None else max(self.best, *rewards)
             self.worst = min(rewards) if self.worst is None else min(self.worst, *rewards)
@@ -152,10 +156,13 @@ class SignalWatch:
 
     @property
     def solved(self) -> bool:
-        """The groups without signal all scored the run's best reward, and other rewards were seen:
-        a task learned to its ceiling, not a reward that cannot tell answers apart."""
-        return (len(self.values) == 1 and self.best is not None and self.worst is not None
-                and self.worst < self.best and next(iter(self.values)) == round(self.best, 4))
+        """The groups without signal all scored the run's best reward, which at the start fewer
+        than half of the samples did: a task learned to its ceiling, not a reward that (nearly)
+        always gives the same value (one outlier in a constant reward is not learning)."""
+        if len(self.values) != 1 or self.best is None or self.worst is None or not self.worst < self.best:
+            return False
+        at_best = sum(1 for r in self.early if round(r, 4) == round(self.best, 4))
+        return next(iter(self.values)) == round(self.best, 4) and at_best < len(self.early) / 2
 
     def check(self) -> tuple[str | None, str | None]:
         """`(line, verdict)`: a console line to print now (or None), and, past

@@ -4,9 +4,9 @@ Problems are `abc+def` (3-digit + 3-digit) and `abc*de` (3-digit × 2-digit): a 
 model cannot multiply in its head, so it learns to call the calculator and copy the
 result (docs/design.md §8). The `chat` form is the real-model recipe's task
 (configs/smollm2.yaml): "What is 14 + 7? Answer with the number only." for 2–19 plus
-1–9, a question a pretrained chat model of 135M parameters answers right at T = 1 about
-one time in six (its last integer; 0.36 greedy), so RL has signal from the start and room
-to rise; it is scored by `last_integer_reward`. Rows follow the dataset format of docs/design.md §9.11: `prompt`
+1–9, a question a pretrained chat model of 135M parameters answers right at T = 1 12.5–16 %
+of the time (its last integer; 0.36 greedy), so RL has signal from the start and room to
+rise; it is scored by `last_integer_reward`. Rows follow the dataset format of docs/design.md §9.11: `prompt`
 (chat messages), `answer`, `agent_name`, `data_source`.
 
 The calculator parses numbers itself (leading zeros allowed) with a tiny

@@ -149,11 +149,27 @@ def test_overlong_penalty_shapes_the_advantages_not_the_recorded_reward(trajs) -
     assert torch.equal(build_batch(same, LossConfig()).advantages, torch.zeros_like(b.advantages))
 
 
-def test_overlong_buffer_takes_its_limit_from_the_response_length() -> None:
+def test_overlong_buffer_takes_its_limit_from_the_response_length_when_the_workers_get_it() -> None:
     from areal_like.core.config import ExperimentConfig
 
     cfg = ExperimentConfig.model_validate({"rollout": {"response_length": 16}, "train": {"loss": {"overlong_buffer": 4}}})
-    assert cfg.train.loss.overlong_max_len == 16
-    with pytest.raises(ValueError, match="overlong_buffer=16 must be less than rollout.response_length=16"):
+    assert cfg.train.loss.overlong_max_len is None  # never written back: a later override counts
+    assert cfg.train_for_workers().loss.overlong_max_len == 16
+    again = ExperimentConfig.model_validate({**cfg.model_dump(), "rollout": {"response_length": 64}})
+    assert again.train_for_workers().loss.overlong_max_len == 64
+    with pytest.raises(ValueError, match="overlong_buffer=16 must be less than the limit it counts to"):
         ExperimentConfig.model_validate({"rollout": {"response_length": 16},
                                          "train": {"loss": {"overlong_buffer": 16}}})
+    with pytest.raises(ValueError, match="at most rollout.response_length=16"):
+        ExperimentConfig.model_validate({"rollout": {"response_length": 16},
+                                         "train": {"loss": {"overlong_buffer": 4, "overlong_max_len": 32}}})
+
+
+def test_the_chat_form_holds_out_fewer_than_its_problems() -> None:
+    from areal_like.core.config import CHAT_FORM_PROBLEMS, ExperimentConfig
+    from areal_like.tasks.arithmetic import CHAT_PROBLEMS
+
+    assert CHAT_FORM_PROBLEMS == len(CHAT_PROBLEMS)
+    with pytest.raises(ValueError, match="the chat form has 162 problems"):
+        ExperimentConfig.model_validate({"dataset": {"form": "chat"}})  # num_eval 256 by default
+    ExperimentConfig.model_validate({"dataset": {"form": "chat", "num_eval": 64}})

@@ -263,3 +263,16 @@ def test_a_groups_shared_prompt_is_computed_once_with_the_same_logits_and_gradie
     assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-5)
     w, w_ref = dict(engine.named_weights()), dict(ref.named_weights())
     assert all(torch.allclose(w[n], w_ref[n], atol=1e-5) for n in w)
+
+
+def test_a_batch_of_only_masked_answers_moves_no_weight(tiny_model_dir, trajs) -> None:
+    """`train.loss.mask_truncated` with every answer cut: no loss token, zero gradients, and
+    Adam's momentum from the step before must not move the weights either."""
+    loss = LossConfig(mask_truncated=True)
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig(token_budget=64, loss=loss))
+    engine.train_step(build_batch(trajs(seed=1), loss))  # momentum from a real step
+    before = _weights(engine)
+    cut = [t.model_copy(update={"truncated": True}) for t in trajs(seed=2)]
+    stats = engine.train_step(build_batch(cut, loss))
+    assert stats["num_loss_tokens"] == 0 and engine.version == 2 and stats["skipped"] == 0.0
+    assert all(torch.equal(t, before[n]) for n, t in engine.named_weights())
