@@ -1,6 +1,7 @@
-"""The console names a rising share of answers cut by the length limit, once, with the
-settings to look at; and tells the end of a run: the last evaluation, the first and the best
-(docs/real_models.md)."""
+"""What the console says as a run on a real model goes (docs/real_models.md, docs/design.md
+§10.39–10.40): a rising share of answers cut by the length limit, once, with the settings to
+look at; a task solved (an end) against a reward that never told answers apart (a failure);
+and the end of a run: the last evaluation, the first and the best."""
 
 from __future__ import annotations
 
@@ -124,3 +125,21 @@ def test_the_no_signal_line_says_what_share_of_groups_had_signal() -> None:
     now[0] = 15.0
     line, _ = w.check()
     assert line is not None and "1 of the run's 5 groups so far (20%) had different rewards" in line
+
+
+def test_a_run_that_ended_solved_is_finished_for_resume(tmp_path) -> None:
+    """`--resume` on a run that ended by itself before total_steps says it finished: resuming
+    would only wait again for a signal that is gone (docs/design.md §10.40)."""
+    import pytest
+
+    from areal_like.orchestration.run_dir import RunDir, RunFinished
+
+    rd = RunDir(tmp_path / "run")
+    ckpt = rd.checkpoints / "v000012"
+    ckpt.mkdir(parents=True)
+    RunDir.mark_complete(ckpt, {"version": 12})
+    for ended, finished in (("interrupted", None), ("solved", 12), ("target_reached", 12)):
+        rd.metrics.write_text(json.dumps({"kind": "summary", "ended": ended}) + "\n")
+        assert rd.finished_at(40) == finished
+    with pytest.raises(RunFinished, match="ended by itself"):
+        rd.check(resume=True, overwrite=False, total_steps=40)
