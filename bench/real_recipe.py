@@ -51,6 +51,23 @@ def interval(xs: list[float]) -> dict[str, Any]:
     return {"mean": round(m, 4), "ci95": [round(m - half, 4), round(m + half, 4)], "n": len(xs)}
 
 
+def _fmt(iv: dict[str, Any], sign: bool = False) -> str:
+    f = "{:+.3f}" if sign else "{:.3f}"
+    ci = iv.get("ci95")
+    return f.format(iv["mean"]) + (f" [{f.format(ci[0])}, {f.format(ci[1])}]" if ci else "") + f" (n={iv['n']})"
+
+
+def _line(row: dict[str, Any]) -> str:
+    """One variant's headline: what the summary table of docs/benchmarks.md shows."""
+    parts = [f"rise {_fmt(row['rise'], sign=True)}", f"last {_fmt(row['eval_last'])}",
+             f"last/best ≥ {row['kept_of_best_min']:.3f}", f"first step ≤ {row['first_step_s_max']:.0f} s",
+             f"end ≤ {row['end_s_max']:.0f} s"]
+    if "vs_recipe_last" in row:
+        parts.append(f"vs recipe: last {_fmt(row['vs_recipe_last'], sign=True)}, "
+                     f"along the run {_fmt(row['vs_recipe_along_run'], sign=True)}")
+    return "; ".join(parts)
+
+
 def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
     recs = records(run_dir)
     evals = [(e["version"], e["accuracy"]) for e in final_evals(run_dir)]
@@ -121,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["vs_recipe_along_run"] = interval([by_seed[s]["eval_mean"] - base[s]["eval_mean"] for s in common])
         table[name] = row
     result = {"config": args.config, "seeds": seeds, "variants": variants, "table": table,
+              "summary": {name: _line(row) for name, row in table.items()},
               "runs": {n: {str(s): r for s, r in v.items()} for n, v in runs.items()}}
     return rec.finish(result)
 

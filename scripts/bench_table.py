@@ -59,8 +59,7 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
     "staleness_ablation": ("staleness ablation", ["decoupled_vs_naive.*", "*naive_accuracy_drop_eta*",
                                                   "*decoupled_accuracy_drop_eta*"],
                            "python bench/staleness_ablation.py", None),
-    "real_recipe": ("real model (SmolLM2-135M)", ["table.*.rise", "table.*.kept_of_best_min", "table.*.first_step_s_max",
-                                                  "table.*.end_s_max", "table.*.vs_recipe_last"],
+    "real_recipe": ("real model (SmolLM2-135M)", ["summary.*"],
                     "python bench/real_recipe.py --seeds 0,1,2 --variant mask=train.loss.mask_truncated=true "
                     "--variant overlong=train.loss.overlong_buffer=4", None),
     "startup": ("start-up", ["first_step_s"], "python bench/startup.py --repeats 3", None),

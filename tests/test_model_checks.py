@@ -102,3 +102,13 @@ def test_stop_token_ids_end_every_answer_at_the_first_such_token(tiny_model_dir,
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     trajs = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     assert trajs and all(len(t["response_ids"]) == 1 for t in trajs), [t["response_ids"] for t in trajs]
+
+
+def test_a_sequence_limit_past_the_models_positions_is_refused_before_start(tiny_model_dir, tmp_path) -> None:
+    import transformers
+
+    longest = transformers.AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
+    run_dir = tmp_path / "run"
+    _one_line_exit_2(["run", "configs/quickstart.yaml", "--set", f"model.path={tiny_model_dir}",
+                      "--set", f"run.dir={run_dir}", "--set", f"rollout.engine.max_seq_len={longest + 1}"],
+                     run_dir, f"max_seq_len={longest + 1} exceeds the max_position_embeddings ({longest})")

@@ -195,6 +195,15 @@ def check_model(cfg: ExperimentConfig) -> None:
     if cfg.rollout.engine.type == "embedded" and model_type not in EMBEDDED_MODEL_TYPES:
         raise ConfigError(f"model.path={folder}: model type {model_type!r} is not one the embedded engine computes "
                           f"({', '.join(EMBEDDED_MODEL_TYPES)}); set rollout.engine.type=vllm (docs/launching.md)")
+    engine = cfg.rollout.engine
+    if engine.type == "embedded":  # what the engine would refuse once loaded, said now
+        if "sliding_attention" in (conf.get("layer_types") or []):
+            raise ConfigError(f"model.path={folder}: the model has sliding-window attention layers, which the "
+                              "embedded engine does not compute; set rollout.engine.type=vllm")
+        longest = conf.get("max_position_embeddings")
+        if isinstance(longest, int) and longest < engine.max_seq_len:
+            raise ConfigError(f"rollout.engine.max_seq_len={engine.max_seq_len} exceeds the max_position_embeddings "
+                              f"({longest}) of model.path={folder}: lower it")
     vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
     bad = [t for t in cfg.rollout.stop_token_ids if isinstance(vocab, int) and t >= vocab]
     if bad:
