@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="NAME=KEY=VALUE[,KEY=VALUE...]: the recipe with these overrides, paired with it by seed")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE for every run")
     ap.add_argument("--reuse", action="store_true", help="read runs already in the output folder")
+    ap.add_argument("--reuse-only", action="store_true",
+                    help="read runs already in the output folder and run none (a missing seed is left out)")
     ap.add_argument("--out", default=None)
     args, rec = parse(ap, __file__, SMOKE, argv)
     out = out_dir(args.out, "real_recipe", args.smoke)
@@ -112,7 +114,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, sets in variants.items():
         for seed in seeds:
             run_dir = out / f"{name}_s{seed}"
-            if not (args.reuse and (run_dir / "metrics.jsonl").is_file()):
+            done = (run_dir / "metrics.jsonl").is_file() and any(
+                '"summary"' in line for line in (run_dir / "metrics.jsonl").read_text().splitlines()[-3:])
+            if args.reuse_only and not done:
+                continue
+            if not ((args.reuse or args.reuse_only) and done):
                 print(f"[real_recipe] {name} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
                 t0 = time.time()
                 cores = run_cli(args.config, [*args.sets, *sets, f"run.seed={seed}"], run_dir, timeout_s=3600)
