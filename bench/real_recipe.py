@@ -79,7 +79,10 @@ def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
     v0, last = evals[0][1], evals[-1][1]
     best = max(a for _, a in evals)
     tail = steps[-10:]
-    t0 = t_command if t_command is not None else recs[0]["time"] - startup.get("trainer_side", 0.0)
+    # the command's time: given, or the run's own start (its startup record holds the offsets from
+    # its process start and is written at the first step)
+    t0 = t_command if t_command is not None else (startup["time"] - startup["first_step"] if "first_step" in startup
+                                                  else recs[0]["time"])
     return {
         "evals": [[v, a] for v, a in evals],
         "eval_v0": v0, "eval_best": best, "eval_last": last, "eval_mean": round(statistics.mean(a for _, a in evals), 4),

@@ -1,5 +1,5 @@
 """A model folder that cannot serve the config is refused before anything starts
-(docs/real_models.md §7): `run` and `serve` exit 2 in one line that names the folder, what
+(docs/real_models.md §8): `run` and `serve` exit 2 in one line that names the folder, what
 is wrong and the fix, within seconds, and write no run folder. The folders are made here:
 a tiny random-init GPT-2 (an architecture the embedded engine does not compute), and a
 copy of the tiny test model without its chat template."""
