@@ -110,6 +110,20 @@ def test_buffer_rechecks_eta_oldest_first() -> None:
     assert b.lag_history == [0]
 
 
+def test_a_step_takes_every_group_it_would_push_past_eta() -> None:
+    """Three long groups of one head arrive together (after a straggler wait) at the last
+    version that may train them: the step takes all three, not the batch's two, and the
+    next step drops nothing (the slow suite's long-answers run lost 8 samples this way)."""
+    b = TrajectoryBuffer(max_staleness=2)
+    for gid in ("a", "b", "c"):
+        b.put(_group(gid, 1, [0.0, 1.0]))
+    b.put(_group("fresh", 3, [0.0, 1.0]))
+    batch = b.pop_batch(trainer_version=3, num_groups=2)
+    assert batch is not None and [g.group_id for g in batch] == ["a", "b", "c"]
+    assert b.pop_batch(trainer_version=4, num_groups=1) is not None
+    assert b.counts["over_stale"] == 0 and b.num_groups == 0
+
+
 def test_buffer_put_back_when_stale_group_hides_behind_fresh_head() -> None:
     b = TrajectoryBuffer(max_staleness=0)
     b.put(_group("fresh", 5, [0.0, 1.0]))

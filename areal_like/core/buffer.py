@@ -10,7 +10,7 @@ and leave whole (docs/design.md §9.4):
   GRPO signal and is dropped as `filtered` (when filtering is on);
 - at consume time, the buffer re-checks `v_trainer − head_version ≤ η` for each
   group, drops violators as `over_stale` (counted, never silent), and hands out the
-  groups with the oldest head versions first.
+  groups with the oldest head versions first, plus any the step would push past η.
 
 Every sample ends in exactly one bucket of `OUTCOMES`. `consumed` and `dropped`
 (cumulative, in samples) go out in the trainer's version announcements so the
@@ -80,7 +80,10 @@ class TrajectoryBuffer:
         groups are dropped and counted. Oldest head first, not oldest arrival: a long
         group that arrives behind newer ones is the one the next step would push past η.
         A grown group (k × `group_size` episodes) counts as k groups: oldest first until
-        `num_groups` are covered, so a step trains at least as many samples as before."""
+        `num_groups` are covered, so a step trains at least as many samples as before.
+        A group the step would leave more than η behind comes too, past `num_groups`: with
+        several long groups of one head arriving at once (after a straggler wait), taking
+        only `num_groups` of them dropped the rest as over-stale at the next step."""
         kept: deque[TrajectoryGroup] = deque()
         for g in self._queue:
             if trainer_version - g.head_version > self.eta:
@@ -94,7 +97,7 @@ class TrajectoryBuffer:
         chosen: set[int] = set()
         units = 0
         for i in order:
-            if units >= num_groups:
+            if units >= num_groups and trainer_version + 1 - self._queue[i].head_version <= self.eta:
                 break
             chosen.add(i)
             units += self._units(self._queue[i])
