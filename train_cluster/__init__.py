@@ -52,7 +52,7 @@ __all__ = [
 
 
 def create_engine(model_path: str | Path, train_cfg: Any, *, dtype: str = "float32", seed: int = 0,
-                  placement_group: Any = None) -> Any:
+                  placement_group: Any = None, lora: Any = None) -> Any:
     """The trainer `train_cfg.backend` asks for, with the same five calls whichever it is.
 
     torch, 1 worker: a `TorchTrainEngine` in this process. torch, N > 1 workers: a
@@ -68,7 +68,8 @@ def create_engine(model_path: str | Path, train_cfg: Any, *, dtype: str = "float
     if b.type == "megatron" or b.world_size > 1:
         from train_cluster.worker_group import TrainWorkerGroup
 
-        return TrainWorkerGroup(model_path, train_cfg, dtype=dtype, seed=seed, placement_group=placement_group)
+        return TrainWorkerGroup(model_path, train_cfg, dtype=dtype, seed=seed, placement_group=placement_group,
+                                lora=lora)
     from train_cluster.torch_engine import TorchTrainEngine
 
-    return TorchTrainEngine(model_path, train_cfg, dtype=dtype, seed=seed)
+    return TorchTrainEngine(model_path, train_cfg, dtype=dtype, seed=seed, lora=lora)

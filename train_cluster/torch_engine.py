@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areal_like.core.config import TorchBackendConfig, TrainConfig
+from areal_like.core.config import LoraConfig, TorchBackendConfig, TrainConfig
 from areal_like.models.lite import load_causal_lm
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
@@ -86,7 +86,7 @@ class TorchTrainEngine(TrainEngine):
     """Decoupled-PPO trainer for an HF causal LM folder (see `TrainEngine` for the algorithm)."""
 
     def __init__(self, model_path: str | Path, train_cfg: TrainConfig, *, dtype: str = "float32",
-                 seed: int = 0) -> None:
+                 seed: int = 0, lora: LoraConfig | None = None) -> None:
         backend = train_cfg.backend
         if not isinstance(backend, TorchBackendConfig):
             raise ValueError(f"TorchTrainEngine needs train.backend.type=torch, got {backend.type!r}")
@@ -117,6 +117,16 @@ class TorchTrainEngine(TrainEngine):
         # fp32 master weights; bf16 compute comes from autocast (`_autocast`)
         module = load_causal_lm(model_path, torch.float32, backend.model_impl).to(self.device)
         module.config.use_cache = False
+        self.model_path = model_path
+        self.lora = lora if lora is not None and lora.enabled else None
+        self._lora_scales: dict[str, float] = {}
+        """LoRA: {adapted layer: alpha / r}; empty for full fine-tuning."""
+        if self.lora is not None:
+            from areal_like.models.lora import add_adapters, load_adapter
+
+            self._lora_scales = add_adapters(module, self.lora)
+            if self.lora.init_from:
+                module.load_state_dict(load_adapter(self.lora.init_from, self._lora_scales), strict=False)
         self._module = module
         self._model: Any = module
         self._fsdp = self.world_size > 1 and backend.strategy == "fsdp"
@@ -136,7 +146,7 @@ class TorchTrainEngine(TrainEngine):
                 fully_shard(layer, mesh=mesh)
             fully_shard(module, mesh=mesh)
         sched, warm, total = train_cfg.lr_schedule, train_cfg.warmup_steps, train_cfg.total_steps
-        params = list(module.parameters())
+        params = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only
 
         def factor(step: int) -> float:
             return lr_factor(step, schedule=sched, warmup=warm, total=total)
@@ -199,8 +209,29 @@ class TorchTrainEngine(TrainEngine):
         under bf16 they are rounded copies of the fp32 masters. Under FSDP each is
         gathered in full — a collective, so every rank must iterate in step.
         """
+        if self.lora is not None:  # a version is its adapter (areal_like.models.lora)
+            from areal_like.models.lora import wire_tensors
+
+            yield from wire_tensors(self._module, self._lora_scales, self.dtype)
+            return
         for name, t in self._master_weights():
             yield name, t.to(self.dtype)
+
+    def export_weights(self, path: str | Path, max_shard_bytes: int | None = None) -> dict[str, Any]:
+        """As `TrainEngine.export_weights`; with LoRA the weights are merged (an HF model any
+        engine loads) and the adapter is written beside them in PEFT's format (`adapter/`)."""
+        if self.lora is None:
+            return super().export_weights(path, max_shard_bytes)
+        from areal_like.models.hf_folder import DEFAULT_MAX_SHARD_BYTES, write_hf_weights
+        from areal_like.models.lora import merged_weights, save_adapter
+
+        merged = ((n, t.to(self.dtype)) for n, t in merged_weights(self._module, self._lora_scales,
+                                                                    self._master_weights()))
+        out = write_hf_weights(path, merged, write=self.rank == 0,
+                               max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        save_adapter(Path(path) / "adapter", self._module, self._lora_scales, self.lora, self.model_path,
+                     write=self.rank == 0)
+        return out
 
     def _master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`named_weights` in full precision (fp32), for checkpoints."""
@@ -218,7 +249,8 @@ class TorchTrainEngine(TrainEngine):
             yield name, t.detach()
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        """Model (safetensors + config.json: the folder is also an HF model), optimizer, schedule,
+        """Model (safetensors + config.json: the folder is also an HF model; with LoRA the adapter
+        alone, in PEFT's format), optimizer, schedule,
         version and counters, per-rank RNG states and `extra`; a COMPLETE marker is written last."""
         from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -231,12 +263,19 @@ class TorchTrainEngine(TrainEngine):
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / _COMPLETE).unlink(missing_ok=True)
-        weights = {n: t.to("cpu", copy=True).contiguous() for n, t in self._master_weights()}
+        weights = None
+        if self.lora is not None:  # the adapter only: the base is model.path's
+            from areal_like.models.lora import save_adapter
+
+            save_adapter(out, self._module, self._lora_scales, self.lora, self.model_path, write=self.rank == 0)
+        else:
+            weights = {n: t.to("cpu", copy=True).contiguous() for n, t in self._master_weights()}
         optim = get_optimizer_state_dict(self._module, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-            self._module.config.save_pretrained(out)
+            if weights is not None:
+                save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+                self._module.config.save_pretrained(out)
             torch.save(optim, out / "optimizer.pt")
             state = {"version": self.version, "skipped": self.skipped, "world_size": self.world_size,
                      "scheduler": self.scheduler.state_dict(), "extra": json.loads(extra_json)}
@@ -260,8 +299,16 @@ class TorchTrainEngine(TrainEngine):
         if not (src / _COMPLETE).is_file():
             raise FileNotFoundError(f"{src} is not a complete checkpoint (no {_COMPLETE} marker)")
         state = json.loads((src / "trainer_state.json").read_text())
-        weights = load_file(str(src / "model.safetensors"), device="cpu")
-        _check_weight_names(self._module, weights)
+        if self.lora is not None:
+            from areal_like.models.lora import load_adapter
+
+            weights = load_adapter(src, self._lora_scales)
+        else:
+            if not (src / "model.safetensors").is_file():
+                raise FileNotFoundError(f"{src} holds no model.safetensors (a LoRA checkpoint? set model.lora as "
+                                        "the run that wrote it had it)")
+            weights = load_file(str(src / "model.safetensors"), device="cpu")
+            _check_weight_names(self._module, weights)
         full = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self._module, weights, options=full)
         optim = torch.load(src / "optimizer.pt", weights_only=True, map_location="cpu")

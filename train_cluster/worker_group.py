@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from areal_like.core.config import MegatronBackendConfig, TrainConfig
+from areal_like.core.config import LoraConfig, MegatronBackendConfig, TrainConfig
 from areal_like.core.types import Trajectory
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ class _TrainWorker:
         return f"{ip}:{free_port(ip)}"
 
     def setup(self, store_addr: str, model_path: str, train_cfg: dict[str, Any], dtype: str,
-              seed: int, lend: dict[str, Any] | None = None, offload: bool = False) -> tuple[int, int]:
+              seed: int, lend: dict[str, Any] | None = None, offload: bool = False,
+              lora: dict[str, Any] | None = None) -> tuple[int, int]:
         """Join the group, build the engine the backend asks for; returns (version, dp rank).
         `lend` ({"path", "borrow"}): the machine's core ledger (docs/design.md §10.16).
         `offload`: `cluster.colocate` on CUDA: the model and optimizer live in host memory
@@ -120,7 +121,8 @@ class _TrainWorker:
             # Megatron's parallel state (TP innermost, then DP) is built inside, on this group.
             self.engine = MegatronTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
             return self.engine.version, self.engine.dp_rank
-        self.engine = TorchTrainEngine(model_path, cfg, dtype=dtype, seed=seed)
+        self.engine = TorchTrainEngine(model_path, cfg, dtype=dtype, seed=seed,
+                                       lora=LoraConfig.model_validate(lora) if lora else None)
         if offload:
             self.engine.offload()
         if lend and cfg.backend.device == "cpu":
@@ -266,6 +268,7 @@ class TrainWorkerGroup:
         launcher: Any = None,
         lend: dict[str, Any] | None = None,
         colocate: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         from areal_like import launcher as actors
 
@@ -301,7 +304,8 @@ class TrainWorkerGroup:
         store = actors.get(self.workers[0].store_addr.remote())
         cfg = train_cfg.model_dump(mode="json")
         offload = colocate and backend.device == "cuda"
-        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed, lend, offload)
+        lora_cfg = lora.model_dump(mode="json") if lora is not None and lora.enabled else None
+        setups = _get(self.workers, [w.setup.remote(store, str(model_path), cfg, dtype, seed, lend, offload, lora_cfg)
                                      for w in self.workers], "setup")
         self._version = setups[0][0]
         self._dp_ranks = [int(dp) for _, dp in setups]  # each worker's data shard

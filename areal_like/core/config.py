@@ -106,6 +106,28 @@ class RunConfig(_Section):
         return v
 
 
+class LoraConfig(_Section):
+    """Train low-rank adapters instead of every weight (docs/lora.md): only the adapters get
+    gradients and optimizer state, and only they go to the servers each version."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank r; 0 trains every weight (full fine-tuning)."""
+    alpha: float = Field(32.0, gt=0.0)
+    """The adapter's output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (PEFT's `lora_dropout`)."""
+    target_modules: str | list[str] = "all-linear"
+    """Which linear layers get an adapter: `all-linear` (every one but the output head, as
+    PEFT reads it), or module names such as `[q_proj, v_proj]`."""
+    init_from: str | None = None
+    """A saved adapter folder (PEFT format: adapter_config.json + adapter_model.safetensors)
+    to start from instead of a fresh one (B = 0). Its rank and targets must match these."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ModelConfig(_Section):
     path: str = "areal_like/assets/quickstart_model"
     """HF folder (model + tokenizer). Relative paths resolve against the config file's
@@ -113,6 +135,8 @@ class ModelConfig(_Section):
     name of a model `areal-like model fetch` knows, once fetched (`smollm2-135m-instruct`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for training and the embedded engine (fp32 is fastest on CPU)."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters (`model.lora.rank` > 0), or full fine-tuning (0, the default)."""
 
 
 CHAT_FORM_PROBLEMS = 162
@@ -631,6 +655,7 @@ class ExperimentConfig(_Section):
             )
         self._check_growth()
         self._check_colocate()
+        self._check_lora()
         loss = self.train.loss
         limit = loss.overlong_max_len or self.rollout.response_length
         if loss.overlong_buffer and not loss.overlong_buffer < limit <= self.rollout.response_length:
@@ -669,6 +694,17 @@ class ExperimentConfig(_Section):
         if not self.staleness.filter_uniform_groups:
             raise ValueError("staleness.grow_groups_to needs staleness.filter_uniform_groups: it grows groups "
                              "because uniform ones are thrown away")
+
+    def _check_lora(self) -> None:
+        if not self.model.lora.enabled:
+            return
+        if self.train.backend.type == "megatron":
+            raise ValueError("model.lora with train.backend.type=megatron is not built: use train.backend.type=torch "
+                             "(single worker, DDP or FSDP) for LoRA, or model.lora.rank=0")
+        if self.rollout.engine.type != "embedded":
+            raise ValueError(f"model.lora with rollout.engine.type={self.rollout.engine.type} is not built: the "
+                             "embedded engine merges each version's adapter into its base weights; use "
+                             "rollout.engine.type=embedded, or model.lora.rank=0")
 
     def _check_colocate(self) -> None:
         """`cluster.colocate` with GPUs: the servers run on the train pool's GPUs, one TP=1

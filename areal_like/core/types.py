@@ -585,5 +585,13 @@ class WeightUpdateMeta(_Strict):
     path: str | None = None
     """Folder of the version for the disk transport."""
 
+    @property
+    def nbytes(self) -> int:
+        """The version's size in bytes (with LoRA, the adapter's: docs/lora.md)."""
+        return sum(math.prod(t.shape) * _ITEMSIZE.get(t.dtype, 4) for t in self.tensors)
+
+
+_ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1}
 
 VersionAnnouncement.model_rebuild()

@@ -379,6 +379,8 @@ class TrainerController:
         t0 = time.time()
         done = self.feed.publish()
         self.telemetry.weight_sync(rec, time.time() - t0, done)
+        if self.feed.last_meta is not None:
+            rec["weight_bytes"] = self.feed.last_meta.nbytes  # this version's; LoRA: the adapter's
 
     def _while_waiting(self, v: int) -> None:
         """No batch yet: keep the rollout side fed and check that it is alive."""

@@ -97,7 +97,7 @@ class TrainerSide:
         self.group = TrainWorkerGroup(self.model_path, cfg.train_for_workers(), dtype=cfg.model.dtype,
                                       seed=cfg.run.seed, lend=lend,
                                       placement_group=self.placement_group, launcher=self.launcher,
-                                      colocate=cfg.cluster.colocate,
+                                      colocate=cfg.cluster.colocate, lora=cfg.model.lora,
                                       log_level=cfg.run.log_level,
                                       log_file=run_log_path(cfg.run.dir), console=cfg.run.verbose)
         trainer = self.group

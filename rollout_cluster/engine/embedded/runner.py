@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_like.core.config import EMBEDDED_MODEL_TYPES
+from areal_like.models.lora import AdapterMerger
 from rollout_cluster.engine.base import NamedTensors
 from rollout_cluster.engine.embedded.cache import KVSlots
 from rollout_cluster.engine.embedded.scheduler import PrefillPlan, Seq
@@ -118,6 +119,8 @@ class ModelRunner:
         self._act = _activation(hf.hidden_act)
         self._scale = float(self.model.model.layers[0].self_attn.scaling)
         self._state = self.model.state_dict()
+        self._adapters = AdapterMerger()
+        """LoRA versions: each adapted layer's base weight, kept as first loaded."""
         self._layers: list[_Layer] = []
         self._pack()
         with torch.inference_mode():
@@ -180,10 +183,12 @@ class ModelRunner:
 
         Copying at once matters: weight-sync receivers may reuse their buffers between
         buckets. Tied embeddings stay tied: `lm_head.weight` and
-        `model.embed_tokens.weight` are the same storage, whichever name arrives.
+        `model.embed_tokens.weight` are the same storage, whichever name arrives. A LoRA
+        version's adapter halves arrive as `X.lora_A/B.weight` and stage as the merged
+        `X.weight` (`areal_like.models.lora.AdapterMerger`).
         """
         staged: Staged = []
-        for name, tensor in named_tensors:
+        for name, tensor in self._adapters.merge(named_tensors, self._state):
             dst = self._state.get(name)
             if dst is None:
                 raise KeyError(f"load_weights: unknown weight {name!r} for {type(self.model).__name__}")

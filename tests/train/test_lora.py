@@ -1,0 +1,144 @@
+"""LoRA (`model.lora`, docs/lora.md): only the adapters learn, a version on the wire is the
+adapter, a server merges it exactly, checkpoints resume bit for bit, and the export loads
+with PEFT and with any engine as a merged model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_like.core.config import ExperimentConfig, LoraConfig, LossConfig, TrainConfig
+from areal_like.models.lora import is_adapter_name
+from train_cluster.batch import build_batch
+from train_cluster.torch_engine import TorchTrainEngine
+
+LORA = LoraConfig(rank=4, alpha=8)
+CFG = TrainConfig(token_budget=64, mini_batches=2, lr=1e-2)
+
+
+def _trained(model_dir: Path, trajs, steps: int = 2, lora: LoraConfig = LORA) -> TorchTrainEngine:  # noqa: ANN001
+    engine = TorchTrainEngine(model_dir, CFG, lora=lora)
+    batch = build_batch(trajs(), CFG.loss)
+    for _ in range(steps):
+        engine.train_step(batch)
+    return engine
+
+
+def _base_weights(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine._master_weights() if ".lora_" not in n}
+
+
+def test_only_the_adapters_learn_and_a_version_is_the_adapter(tiny_model_dir, trajs) -> None:
+    engine = TorchTrainEngine(tiny_model_dir, CFG, lora=LORA)
+    before = _base_weights(engine)
+    batch = build_batch(trajs(), CFG.loss)
+    engine.train_step(batch)
+    engine.train_step(batch)
+    trainable = {id(p) for p in engine._module.parameters() if p.requires_grad}
+    names = [n for n, p in engine._module.named_parameters() if p.requires_grad]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert set(map(id, engine.optimizer.state)) == trainable  # Adam's moments for the adapters only
+    after = _base_weights(engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # the base never moves
+    wire = dict(engine.named_weights())
+    assert wire and all(is_adapter_name(n) for n in wire)
+    assert "lm_head.lora_A.weight" not in wire  # tied to the embeddings: all-linear leaves it out
+    assert any(n.endswith("lora_B.weight") and t.abs().sum() > 0 for n, t in wire.items())  # B moved from 0
+    full = sum(t.numel() for t in before.values())
+    assert sum(t.numel() for t in wire.values()) < 0.1 * full
+
+
+def test_a_server_merges_each_version_exactly(tiny_model_dir, trajs, tmp_path) -> None:
+    """The embedded engine turns the wire's adapter into the merged weights the export holds
+    (base + scale·B@A) and a second version merges from the base again, not on top of the
+    first; PEFT's own merge of the exported adapter gives the same weights, and the merged
+    model scores the batch as the trainer's adapter model does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from areal_like.orchestration.run_dir import save_hf_folder
+    from rollout_cluster.engine import EmbeddedEngine
+
+    engine = _trained(tiny_model_dir, trajs, steps=1)
+    server = EmbeddedEngine(tiny_model_dir)
+    server.load_weights(engine.named_weights(), 1)
+    batch = build_batch(trajs(), CFG.loss)
+    engine.train_step(batch)
+    server.load_weights(engine.named_weights(), 2)
+    out = save_hf_folder(tmp_path / "v2", engine, tiny_model_dir)
+    merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    live = server.runner._state
+    assert max((live[k] - merged[k]).abs().max().item() for k in merged if k in live) < 1e-6
+    peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                            out / "adapter").merge_and_unload().state_dict()
+    assert max((peft_merged[k] - merged[k]).abs().max().item() for k in merged) < 1e-6
+    as_full = TorchTrainEngine(out, CFG)
+    assert (engine.compute_logprobs(batch) - as_full.compute_logprobs(batch)).abs().max().item() < 1e-4
+
+
+def test_a_bad_adapter_leaves_the_server_on_its_old_weights(tiny_model_dir, trajs) -> None:
+    from rollout_cluster.engine import EmbeddedEngine
+
+    wire = list(_trained(tiny_model_dir, trajs, steps=1).named_weights())
+    server = EmbeddedEngine(tiny_model_dir)
+    before = {k: v.clone() for k, v in server.runner._state.items()}
+    with pytest.raises(ValueError, match="without their pair"):
+        server.load_weights(iter(wire[:-1]), 1)
+    a_name, a = wire[0]
+    with pytest.raises(ValueError, match="do not make its weight's shape"):
+        server.load_weights(iter([(a_name, a), (a_name.replace("lora_A", "lora_B"), torch.zeros(3, 3))]), 1)
+    assert server.version == 0 and all(torch.equal(before[k], v) for k, v in server.runner._state.items())
+
+
+def test_checkpoint_holds_the_adapter_and_resumes_bitwise(tiny_model_dir, trajs, tmp_path) -> None:
+    cfg = CFG.model_copy(update={"lr_schedule": "cosine", "total_steps": 10})
+    batch = build_batch(trajs(), cfg.loss)
+    a = TorchTrainEngine(tiny_model_dir, cfg, lora=LORA)
+    a.train_step(batch)
+    a.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()  # the base is model.path's
+    ref = a.train_step(batch)
+    b = TorchTrainEngine(tiny_model_dir, cfg, lora=LORA, seed=7)
+    b.load(tmp_path / "ckpt")
+    got = b.train_step(batch)
+    assert got["loss"] == ref["loss"] and b.version == 2
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights(), strict=True))
+    full = TorchTrainEngine(tiny_model_dir, cfg)
+    with pytest.raises(FileNotFoundError, match="LoRA checkpoint"):
+        full.load(tmp_path / "ckpt")
+
+
+def test_init_from_a_saved_adapter(tiny_model_dir, trajs, tmp_path) -> None:
+    from areal_like.orchestration.run_dir import save_hf_folder
+
+    a = _trained(tiny_model_dir, trajs, steps=1)
+    out = save_hf_folder(tmp_path / "final", a, tiny_model_dir)
+    b = TorchTrainEngine(tiny_model_dir, CFG, lora=LORA.model_copy(update={"init_from": str(out / "adapter")}))
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights(), strict=True))
+    with pytest.raises(ValueError, match="does not adapt"):
+        TorchTrainEngine(tiny_model_dir, CFG, lora=LoraConfig(rank=4, target_modules=["q_proj"],
+                                                              init_from=str(out / "adapter")))
+
+
+def test_lora_settings_refused_before_start(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="matched no linear layer"):
+        TorchTrainEngine(tiny_model_dir, CFG, lora=LoraConfig(rank=4, target_modules=["nope_proj"]))
+    with pytest.raises(ValueError, match="tied to another"):
+        TorchTrainEngine(tiny_model_dir, CFG, lora=LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="megatron is not built"):
+        ExperimentConfig.model_validate({"model": {"lora": {"rank": 8}}, "train": {"backend": {"type": "megatron"}}})
+    with pytest.raises(ValueError, match="rollout.engine.type=vllm is not built"):
+        ExperimentConfig.model_validate({"model": {"lora": {"rank": 8}}, "rollout": {"engine": {"type": "vllm"}}})
+    assert not ExperimentConfig().model.lora.enabled
+
+
+def test_loss_config_is_untouched_by_lora(tiny_model_dir, trajs) -> None:
+    """The decoupled loss and π_prox are the same computation: at step 1 with B = 0 the
+    adapter model's logprobs are the base model's exactly."""
+    batch = build_batch(trajs(), LossConfig())
+    with_lora = TorchTrainEngine(tiny_model_dir, CFG, lora=LORA)
+    plain = TorchTrainEngine(tiny_model_dir, CFG)
+    assert torch.equal(with_lora.compute_logprobs(batch), plain.compute_logprobs(batch))
