@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_adapters", "wire_tensors", "merged_weights", "save_adapter", "load_adapter", "AdapterMerger",
+__all__ = ["add_adapters", "wire_tensors", "adapter_wire", "merged_weights", "save_adapter", "load_adapter", "AdapterMerger",
            "is_adapter_name", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -187,6 +187,30 @@ def load_adapter(folder: str | Path, scales: dict[str, float]) -> dict[str, torc
             out[f"{x}.{which}.{_ADAPTER}.weight"] = got.pop(key)
     if got:
         raise ValueError(f"adapter {src} has tensors for layers this model does not adapt: {sorted(got)[:3]}")
+    return out
+
+
+def adapter_wire(folder: str | Path) -> list[tuple[str, torch.Tensor]]:
+    """A saved PEFT adapter as a version's wire tensors (A and scale·B per layer), for a
+    server that starts from it (`serve` with `model.lora.init_from`)."""
+    from safetensors.torch import load_file
+
+    src = Path(folder)
+    if not (src / ADAPTER_CONFIG).is_file() or not (src / ADAPTER_FILE).is_file():
+        raise FileNotFoundError(f"{src} is not a saved adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_FILE} "
+                                "(a run's final/adapter, or PEFT's save_pretrained)")
+    conf = json.loads((src / ADAPTER_CONFIG).read_text())
+    r, alpha = int(conf["r"]), float(conf["lora_alpha"])
+    scale = alpha / (r ** 0.5 if conf.get("use_rslora") else r)
+    out = []
+    for key, t in load_file(str(src / ADAPTER_FILE), device="cpu").items():
+        x = key.removeprefix("base_model.model.")
+        if x.endswith(_A):
+            out.append((x, t))
+        elif x.endswith(_B):
+            out.append((x, t * scale))
+        else:
+            raise ValueError(f"adapter {src}: {key} is not a LoRA A or B weight (only LoRA adapters are read)")
     return out
 
 

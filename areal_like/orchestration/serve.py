@@ -58,7 +58,7 @@ def build_servers(cfg: ExperimentConfig) -> list[Any]:
     torch.set_num_threads(cfg.rollout.server_threads)
     model_path = resolve_model_path(cfg)
     tokenizer = load_tokenizer(model_path)
-    return [
+    servers = [
         RolloutServer(
             model_path,
             tokenizer,
@@ -69,6 +69,14 @@ def build_servers(cfg: ExperimentConfig) -> list[Any]:
         )
         for i in range(cfg.rollout.num_servers)
     ]
+    lora = cfg.model.lora
+    if lora.enabled and lora.init_from:  # a run's adapter on its base model (docs/lora.md)
+        from areal_like.models.lora import adapter_wire
+
+        wire = adapter_wire(lora.init_from)
+        for s in servers:
+            s.engine.engine.load_weights(iter(wire), 0)
+    return servers
 
 
 async def start_serving(

@@ -118,6 +118,16 @@ def test_init_from_a_saved_adapter(tiny_model_dir, trajs, tmp_path) -> None:
     out = save_hf_folder(tmp_path / "final", a, tiny_model_dir)
     b = TorchTrainEngine(tiny_model_dir, CFG, lora=LORA.model_copy(update={"init_from": str(out / "adapter")}))
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights(), strict=True))
+    # `serve` with the adapter on its base: the same weights as the merged export
+    from transformers import AutoModelForCausalLM
+
+    from areal_like.orchestration.serve import build_servers
+
+    cfg = ExperimentConfig.model_validate({"model": {"path": str(tiny_model_dir), "lora": {
+        "rank": 4, "alpha": 8, "init_from": str(out / "adapter")}}})
+    live = build_servers(cfg)[0].engine.engine.runner._state
+    merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert max((live[k] - merged[k]).abs().max().item() for k in merged if k in live) < 1e-6
     with pytest.raises(ValueError, match="does not adapt"):
         TorchTrainEngine(tiny_model_dir, CFG, lora=LoraConfig(rank=4, target_modules=["q_proj"],
                                                               init_from=str(out / "adapter")))
