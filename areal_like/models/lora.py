@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 __all__ = ["add_adapters", "wire_tensors", "adapter_wire", "merged_weights", "save_adapter", "load_adapter", "AdapterMerger",
-           "is_adapter_name", "ADAPTER_FILE", "ADAPTER_CONFIG"]
+           "MergedWeight", "is_adapter_name", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -214,6 +214,27 @@ def adapter_wire(folder: str | Path) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+class MergedWeight:
+    """base + B @ A, computed only when written (`into`): straight into the engine's weight,
+    with no tensor of the weight's size allocated per version."""
+
+    def __init__(self, base: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> None:
+        self.base, self.b, self.a = base, b, a
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.base.shape
+
+    def tensor(self) -> torch.Tensor:
+        return torch.addmm(self.base, self.b, self.a)
+
+    def into(self, dst: torch.Tensor) -> None:
+        if dst.dtype == self.base.dtype and dst.device == self.base.device and dst.is_contiguous():
+            torch.addmm(self.base, self.b, self.a, out=dst)
+        else:
+            dst.copy_(self.tensor())
+
+
 class AdapterMerger:
     """A server's side of the wire: the base weight of each adapted layer, kept as first
     loaded, and each version's adapter merged into it (`merge`)."""
@@ -222,9 +243,9 @@ class AdapterMerger:
         self.base: dict[str, torch.Tensor] = {}
 
     def merge(self, named: Iterable[tuple[str, torch.Tensor]],
-              current: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+              current: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | MergedWeight]]:
         """Pass full tensors through; turn each layer's A and scale·B into its merged
-        `X.weight`. `current` maps HF names to the engine's live tensors (the base is copied
+        `X.weight` (a `MergedWeight`, written at apply). `current` maps HF names to the engine's live tensors (the base is copied
         from it the first time a layer's adapter arrives)."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in named:
@@ -247,6 +268,6 @@ class AdapterMerger:
             if b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(base.shape):
                 raise ValueError(f"load_weights: adapter for {x} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
                                  f"which do not make its weight's shape {tuple(base.shape)}")
-            yield target, base + b @ a
+            yield target, MergedWeight(base, b, a)
         if pending:
             raise ValueError(f"load_weights: adapter halves without their pair: {sorted(pending)[:3]}")

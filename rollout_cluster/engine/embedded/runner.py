@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_like.core.config import EMBEDDED_MODEL_TYPES
-from areal_like.models.lora import AdapterMerger
+from areal_like.models.lora import AdapterMerger, MergedWeight
 from rollout_cluster.engine.base import NamedTensors
 from rollout_cluster.engine.embedded.cache import KVSlots
 from rollout_cluster.engine.embedded.scheduler import PrefillPlan, Seq
@@ -33,8 +33,14 @@ __all__ = ["ModelRunner", "SUPPORTED_MODEL_TYPES", "Staged"]
 
 SUPPORTED_MODEL_TYPES = EMBEDDED_MODEL_TYPES  # checked before anything starts too (orchestration/paths.py)
 
-Staged = list[tuple[torch.Tensor, torch.Tensor]]
-"""(destination parameter, checked copy of the incoming tensor) pairs."""
+Staged = list[tuple[torch.Tensor, "torch.Tensor | MergedWeight"]]
+"""(destination parameter, checked copy of the incoming tensor, or a LoRA merge) pairs."""
+
+
+def _cat(parts: list[torch.Tensor], into: torch.Tensor | None) -> torch.Tensor:
+    if into is not None and into.shape[0] == sum(p.shape[0] for p in parts) and into.dtype == parts[0].dtype:
+        return torch.cat(parts, out=into)
+    return torch.cat(parts)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,10 +153,13 @@ class ModelRunner:
         """Fuse q/k/v and gate/up projections into single matmuls.
 
         Packed tensors are copies, so they must be rebuilt after every weight load
-        (the same trap vLLM's packed linears set for a plain `load_state_dict`).
+        (the same trap vLLM's packed linears set for a plain `load_state_dict`); a reload
+        writes into the packed tensors it has (no new allocation per version: fresh pages
+        cost more than the copy on this machine).
         """
+        old = getattr(self, "_layers", None)
         layers = []
-        for layer in self.model.model.layers:
+        for i, layer in enumerate(self.model.model.layers):
             a, mlp = layer.self_attn, layer.mlp
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             b_qkv = torch.cat(biases) if all(b is not None for b in biases) else None
@@ -161,11 +170,11 @@ class ModelRunner:
                 _Layer(
                     ln1=layer.input_layernorm.weight,
                     ln2=layer.post_attention_layernorm.weight,
-                    w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    w_qkv=_cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], old[i].w_qkv if old else None),
                     b_qkv=b_qkv,
                     w_o=a.o_proj.weight,
                     b_o=a.o_proj.bias,
-                    w_gu=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    w_gu=_cat([mlp.gate_proj.weight, mlp.up_proj.weight], old[i].w_gu if old else None),
                     b_gu=b_gu,
                     w_down=mlp.down_proj.weight,
                     b_down=mlp.down_proj.bias,
@@ -196,14 +205,20 @@ class ModelRunner:
                 raise ValueError(
                     f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
-            staged.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype, copy=True)))
+            if isinstance(tensor, MergedWeight):  # computed straight into the weight at `apply`
+                staged.append((dst, tensor))
+            else:
+                staged.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype, copy=True)))
         return staged
 
     def apply(self, staged: Staged) -> None:
         """Copy staged tensors into the model and re-pack; cannot fail halfway on a bad name."""
         with torch.no_grad():
             for dst, src in staged:
-                dst.copy_(src)
+                if isinstance(src, MergedWeight):
+                    src.into(dst)
+                else:
+                    dst.copy_(src)
         self._pack()
 
     # ---- compute ------------------------------------------------------------------------
