@@ -23,7 +23,9 @@ import json
 import math
 import statistics
 import sys
+import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +94,65 @@ def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
         "end_s": round(summary["time"] - t0, 1) if summary else None,
         "truncated_frac_last10": round(statistics.mean(r.get("truncated_frac", 0.0) for r in tail), 3) if tail else None,
         "response_len_last10": round(statistics.mean(r["response_len_mean"] for r in tail), 1) if tail else None,
+        # where a step's time goes (medians over the run's steps; `areal-like report --budget-steps`)
+        **{k: _median(steps, f) for k, f in _PHASES.items()},
+        "weight_bytes": steps[-1].get("weight_bytes") if steps else None,
     }
+
+
+_PHASES = {"step_s": "budget_wall_s", "fwd_bwd_s": "budget_train_fwd_bwd_s", "optimizer_s": "budget_train_optimizer_s",
+           "wait_data_s": "budget_wait_data_s", "publish_s": "weight_sync_s",
+           "server_weights_s": "rollout_budget_weights_s"}
+
+
+def _median(steps: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in steps[1:] if isinstance(r.get(key), (int, float))]  # the first step holds start-up
+    return round(statistics.median(xs), 3) if xs else None
+
+
+class PeakRSS:
+    """The peak resident memory (MB) of a run's trainer and server processes, sampled every
+    0.5 s by process name (`areal-train-*`, `areal-server-*`) under the CLI's pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, {"trainer": 0.0, "server": 0.0}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.5):
+            try:
+                procs = psutil.Process(self.pid).children(recursive=True)
+            except psutil.Error:
+                return
+            for p in procs:
+                try:
+                    name, rss = p.name(), p.memory_info().rss / 1e6
+                except psutil.Error:
+                    continue
+                kind = "trainer" if name.startswith("areal-train") else "server" if name.startswith("areal-serv") else None
+                if kind:
+                    self.peak[kind] = max(self.peak[kind], rss)
+
+    def __enter__(self) -> PeakRSS:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=2)
+
+
+def _watch(into: list[PeakRSS], pid: int) -> PeakRSS:
+    into.append(PeakRSS(pid))
+    return into[-1]
+
+
+def _median_of(vals: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in vals if isinstance(r.get(key), (int, float))]
+    return round(statistics.median(xs), 3) if xs else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -124,11 +184,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if not ((args.reuse or args.reuse_only) and done):
                 print(f"[real_recipe] {name} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
                 t0 = time.time()
-                cores = run_cli(args.config, [*args.sets, *sets, f"run.seed={seed}"], run_dir, timeout_s=3600)
+                mem: list[PeakRSS] = []
+                cores = run_cli(args.config, [*args.sets, *sets, f"run.seed={seed}"], run_dir, timeout_s=3600,
+                                watch=partial(_watch, mem))
                 got = read_run(run_dir, t0)
                 got["other_cores_during"] = cores.get("other_cores")
+                got.update({f"{k}_peak_rss_mb": round(v) for k, v in mem[0].peak.items()})
+                (run_dir / "peak_rss.json").write_text(json.dumps(mem[0].peak))
             else:
                 got = read_run(run_dir)
+                if (run_dir / "peak_rss.json").is_file():
+                    peak = json.loads((run_dir / "peak_rss.json").read_text())
+                    got.update({f"{k}_peak_rss_mb": round(v) for k, v in peak.items()})
             runs.setdefault(name, {})[seed] = got
             print(f"[real_recipe] {name} seed {seed}: {json.dumps(got)}", file=sys.stderr, flush=True)
     table = {}
@@ -139,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "kept_of_best_min": min(r["kept_of_best"] or 0.0 for r in vals),
                "first_step_s_max": max(r["first_step_s"] or 0.0 for r in vals),
                "end_s_max": max(r["end_s"] or 0.0 for r in vals),
-               "truncated_frac_last10": interval([r["truncated_frac_last10"] or 0.0 for r in vals])}
+               "truncated_frac_last10": interval([r["truncated_frac_last10"] or 0.0 for r in vals]),
+               **{k: _median_of(vals, k) for k in (*_PHASES, "weight_bytes", "trainer_peak_rss_mb",
+                                                   "server_peak_rss_mb")}}
         if name != "recipe":
             base = runs["recipe"]
             common = [s for s in by_seed if s in base]
