@@ -1,5 +1,5 @@
-"""Every code block of README.md, docs/tutorial.md, docs/launching.md and docs/real_models.md runs as written
-(#30, #31, #43), so the docs
+"""Every code block of README.md, docs/tutorial.md, docs/launching.md, docs/real_models.md and docs/lora.md runs
+as written (#30, #31, #43, #45), so the docs
 cannot drift from the code.
 
 What a block is, read from the markdown itself:
@@ -45,7 +45,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = {"README.md": "repo", "docs/tutorial.md": "empty", "docs/launching.md": "repo", "docs/real_models.md": "repo"}
+DOCS = {"README.md": "repo", "docs/tutorial.md": "empty", "docs/launching.md": "repo", "docs/real_models.md": "repo",
+        "docs/lora.md": "repo"}
 """Each doc and where its blocks run: a copy of the repository, or an empty folder."""
 
 PENDING: dict[tuple[str, str], str] = {}
