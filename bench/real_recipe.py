@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reuse", action="store_true", help="read runs already in the output folder")
     ap.add_argument("--reuse-only", action="store_true",
                     help="read runs already in the output folder and run none (a missing seed is left out)")
+    ap.add_argument("--no-recipe", action="store_true",
+                    help="run only the variants (recipe runs already in the output folder are read, for the pairing)")
     ap.add_argument("--out", default=None)
     args, rec = parse(ap, __file__, SMOKE, argv)
     out = out_dir(args.out, "real_recipe", args.smoke)
@@ -179,9 +181,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run_dir = out / f"{name}_s{seed}"
             done = (run_dir / "metrics.jsonl").is_file() and any(
                 '"summary"' in line for line in (run_dir / "metrics.jsonl").read_text().splitlines()[-3:])
-            if args.reuse_only and not done:
+            if (args.reuse_only or (args.no_recipe and name == "recipe")) and not done:
                 continue
-            if not ((args.reuse or args.reuse_only) and done):
+            if not ((args.reuse or args.reuse_only or (args.no_recipe and name == "recipe")) and done):
                 print(f"[real_recipe] {name} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
                 t0 = time.time()
                 mem: list[PeakRSS] = []
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "truncated_frac_last10": interval([r["truncated_frac_last10"] or 0.0 for r in vals]),
                **{k: _median_of(vals, k) for k in (*_PHASES, "weight_bytes", "trainer_peak_rss_mb",
                                                    "server_peak_rss_mb")}}
-        if name != "recipe":
+        if name != "recipe" and "recipe" in runs:
             base = runs["recipe"]
             common = [s for s in by_seed if s in base]
             row["vs_recipe_last"] = interval([by_seed[s]["eval_last"] - base[s]["eval_last"] for s in common])
