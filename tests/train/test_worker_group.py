@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_like.core.config import LossConfig, TorchBackendConfig, TrainConfig
+from areal_like.core.config import LoraConfig, LossConfig, TorchBackendConfig, TrainConfig
 from train_cluster.batch import build_batch
 from train_cluster.torch_engine import TorchTrainEngine
 from train_cluster.worker_group import TrainWorkerGroup
@@ -19,19 +19,19 @@ def ray_local():
     ray.shutdown()
 
 
-def _run_pair(tiny_model_dir, trajs, strategy: str, agg: str, tmp_path) -> None:
+def _run_pair(tiny_model_dir, trajs, strategy: str, agg: str, tmp_path, lora: LoraConfig | None = None) -> None:
     # grad_norm equality pins the gradient itself (Adam would hide a uniform scale error).
     cfg = TrainConfig(token_budget=48, lr=1e-2, loss=LossConfig(agg=agg))
     batches = [build_batch(trajs(n_groups=2, group_size=4, seed=s), cfg.loss) for s in range(2)]
-    single = TorchTrainEngine(tiny_model_dir, cfg)
+    single = TorchTrainEngine(tiny_model_dir, cfg, lora=lora)
     ref_stats = [single.train_step(b) for b in batches]
     ref = dict(single.named_weights())
 
     cfg2 = cfg.model_copy(update={"backend": TorchBackendConfig(world_size=2, strategy=strategy)})
-    group = TrainWorkerGroup(tiny_model_dir, cfg2, log_level="WARNING")
+    group = TrainWorkerGroup(tiny_model_dir, cfg2, log_level="WARNING", lora=lora)
     try:
         assert torch.allclose(group.compute_logprobs(batches[0]), TorchTrainEngine(
-            tiny_model_dir, cfg).compute_logprobs(batches[0]), atol=1e-5)
+            tiny_model_dir, cfg, lora=lora).compute_logprobs(batches[0]), atol=1e-5)
         stats = [group.train_step(b) for b in batches]
         assert group.version == 2
         for s, r in zip(stats, ref_stats, strict=True):
@@ -56,6 +56,17 @@ def test_ddp_two_workers_match_one(ray_local, tiny_model_dir, trajs, tmp_path) -
 @pytest.mark.slow
 def test_fsdp_two_workers_match_one(ray_local, tiny_model_dir, trajs, tmp_path) -> None:
     _run_pair(tiny_model_dir, trajs, "fsdp", "token_mean", tmp_path)
+
+
+def test_ddp_lora_two_workers_match_one(ray_local, tiny_model_dir, trajs, tmp_path) -> None:
+    """LoRA under DDP: the adapters' gradients are averaged like any (the frozen base has none)."""
+    _run_pair(tiny_model_dir, trajs, "ddp", "seq_mean", tmp_path, LoraConfig(rank=4, alpha=8))
+
+
+@pytest.mark.slow
+def test_fsdp_lora_two_workers_match_one(ray_local, tiny_model_dir, trajs, tmp_path) -> None:
+    """LoRA under FSDP2: frozen base and trainable adapters sharded in one unit per layer."""
+    _run_pair(tiny_model_dir, trajs, "fsdp", "token_mean", tmp_path, LoraConfig(rank=4, alpha=8))
 
 
 def test_the_caller_polls_while_the_workers_train(tiny_model_dir, trajs) -> None:
