@@ -62,6 +62,7 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
     "real_recipe": ("real model (SmolLM2-135M)", ["summary.*"],
                     "python bench/real_recipe.py --seeds 0,1,2 --variant mask=train.loss.mask_truncated=true "
                     "--variant overlong=train.loss.overlong_buffer=4", None),
+    "lora": ("LoRA vs full fine-tuning (SmolLM2-135M)", ["summary.*"], "python bench/lora.py", None),
     "startup": ("start-up", ["first_step_s"], "python bench/startup.py --repeats 3", None),
     "time_to_target": ("quickstart to 0.9", ["table.*.median_s"],
                        "python bench/time_to_target.py --variant after:eval.every_n_steps=5 --repeats 2", None),
