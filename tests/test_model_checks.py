@@ -112,3 +112,12 @@ def test_a_sequence_limit_past_the_models_positions_is_refused_before_start(tiny
     _one_line_exit_2(["run", "configs/quickstart.yaml", "--set", f"model.path={tiny_model_dir}",
                       "--set", f"run.dir={run_dir}", "--set", f"rollout.engine.max_seq_len={longest + 1}"],
                      run_dir, f"max_seq_len={longest + 1} exceeds the max_position_embeddings ({longest})")
+
+
+def test_lora_settings_are_refused_before_start(tiny_model_dir, tmp_path) -> None:
+    """A LoRA run whose start adapter is not one is one line, exit 2, nothing written (peft
+    missing takes the same path: `paths._check_lora`)."""
+    run_dir = tmp_path / "run"
+    common = ["run", "configs/quickstart.yaml", "--set", f"model.path={tiny_model_dir}", "--set", f"run.dir={run_dir}",
+              "--set", "model.lora.rank=8"]
+    _one_line_exit_2([*common, "--set", f"model.lora.init_from={tmp_path}"], run_dir, "not a saved adapter")

@@ -213,6 +213,22 @@ def check_model(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"model.path={folder}: the tokenizer has no chat template, and every prompt is rendered "
                           "with one (a string prompt becomes one user message): add one as chat_template.jinja in "
                           "that folder, or as `chat_template` in its tokenizer_config.json")
+    _check_lora(cfg)
+
+
+def _check_lora(cfg: ExperimentConfig) -> None:
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"model.lora.rank={lora.rank} needs the peft package, which is not installed: "
+                          "pip install 'areal_like[lora]'")
+    if lora.init_from:
+        src = Path(lora.init_from).expanduser()
+        if not (src / "adapter_model.safetensors").is_file() or not (src / "adapter_config.json").is_file():
+            raise ConfigError(f"model.lora.init_from={lora.init_from}: not a saved adapter (it needs "
+                              "adapter_config.json and adapter_model.safetensors: a run's final/adapter, or "
+                              "PEFT's save_pretrained)")
 
 
 def _has_chat_template(folder: Path) -> bool:
