@@ -148,25 +148,77 @@ def test_evaluation_is_held_out_from_the_users_rows(tmp_path, caplog) -> None:
     assert "no evaluation" in caplog.text
 
 
-def test_prompts_every_sample_solves_are_skipped_until_all_are() -> None:
+def test_uniform_prompts_are_drawn_at_the_floor_until_a_group_disagrees() -> None:
+    """Online difficulty filtering (docs/design.md §10.41): a row whose last 2 groups all
+    scored the same (all solved or all failed) is served only at `floor`; partial groups
+    and mixed ones reset it."""
     rows = [{"prompt": f"p{i}", "answer": "1"} for i in range(4)]
-    src = PromptSource(rows, seed=0, shuffle=False, skip_solved_after=2)
-    first = [src.next() for _ in range(4)]
-    assert [r["prompt"] for r in first] == ["p0", "p1", "p2", "p3"]
-    for _ in range(2):  # p0 solved by all 4 samples twice in a row; p1 once, then a miss
+    src = PromptSource(rows, seed=0, shuffle=False, uniform_after=2, floor=0.25)
+    assert [src.next()["prompt"] for _ in range(4)] == ["p0", "p1", "p2", "p3"]
+    for _ in range(2):  # p0 solved by all 4 samples twice in a row, p3 failed by all twice
         src.record(rows[0], [1.0] * 4, 4)
+        src.record(rows[3], [0.0] * 4, 4)
     src.record(rows[1], [1.0] * 4, 4)
-    src.record(rows[1], [1.0, 0.0, 1.0, 1.0], 4)
-    src.record(rows[2], [1.0] * 3, 4)  # a failed episode: not solved
-    assert [src.next()["prompt"] for _ in range(6)] == ["p1", "p2", "p3", "p1", "p2", "p3"]
-    assert src.skipped_solved == 2 and src.solved == 1
-    assert src.state_dict()["skipped_solved"] == 2
-    src.record(rows[0], [0.0] * 4, 4)  # it regressed: served again
-    assert "p0" in [src.next()["prompt"] for _ in range(4)]
-    for r in rows:
-        for _ in range(2):
-            src.record(r, [1.0] * 4, 4)
-    assert len({src.next()["prompt"] for _ in range(8)}) == 4  # all solved: served anyway, never stuck
+    src.record(rows[1], [1.0, 0.0, 1.0, 1.0], 4)  # mixed: the streak is over
+    src.record(rows[2], [1.0] * 4, 4)
+    src.record(rows[2], [1.0] * 3, 4)  # a failed episode: not uniform
+    assert src.uniform_rows == 2
+    served = [src.next()["prompt"] for _ in range(4000)]
+    share = served.count("p0") / (served.count("p1") or 1)  # p1 and p2 are served at every turn
+    assert 0.18 < share < 0.32, share  # the floor (0.25), not 0 and not 1
+    assert 0.18 < served.count("p3") / served.count("p2") < 0.32 and src.passed_uniform > 0
+    src.record(rows[0], [1.0, 0.0, 0.0, 0.0], 4)  # it disagrees again: back to every turn
+    assert src.uniform_rows == 1
+    assert [src.next()["prompt"] for _ in range(8)].count("p0") == 2
     off = PromptSource(rows, seed=0, shuffle=False)
     off.record(rows[0], [1.0] * 4, 4)
-    assert [off.next()["prompt"] for _ in range(4)] == ["p0", "p1", "p2", "p3"] and off.skipped_solved == 0
+    off.record(rows[0], [1.0] * 4, 4)
+    assert [off.next()["prompt"] for _ in range(4)] == ["p0", "p1", "p2", "p3"] and off.passed_uniform == 0
+    assert set(off.state_dict()) == {"epoch", "pos"}
+    with pytest.raises(ValueError, match="keep a chance"):
+        PromptSource(rows, seed=0, floor=0.0)
+
+
+def test_the_floor_holds_when_every_prompt_is_uniform() -> None:
+    """All rows saturated: the stream never stops, and each row is still served."""
+    rows = [{"prompt": f"p{i}", "answer": "1"} for i in range(10)]
+    src = PromptSource(rows, seed=3, uniform_after=1, floor=0.05)
+    for r in rows:
+        src.record(r, [1.0] * 8, 8)
+    served = [src.next()["prompt"] for _ in range(400)]
+    assert set(served) == {r["prompt"] for r in rows}
+    assert 400 / (400 + src.passed_uniform) == pytest.approx(0.05, abs=0.015)
+
+
+def test_difficulty_state_round_trips_and_the_stream_is_deterministic() -> None:
+    """`state_dict` holds the position and every row's streak: a source loaded from it
+    serves what the original serves next, with the same floor draws (a `--resume`)."""
+    rows = [{"prompt": f"p{i}", "answer": "1"} for i in range(50)]
+
+    def make() -> PromptSource:
+        return PromptSource(rows, seed=7, uniform_after=2, floor=0.2)
+
+    def play(src: PromptSource, n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            row = src.next()
+            i = int(row["prompt"][1:])
+            src.record(row, [1.0] * 4 if i % 3 else [1.0, 0.0, 1.0, 1.0], 4)  # 2 of 3 rows always uniform
+            out.append(row["prompt"])
+        return out
+
+    a, b = make(), make()
+    assert play(a, 300) == play(b, 300)  # same seed, same groups: the same stream
+    state = json.loads(json.dumps(a.state_dict()))  # it travels as JSON in the reports and the checkpoint
+    assert state["uniform_rows"] == a.uniform_rows > 0 and isinstance(state["streaks"], str)
+    assert len(state["streaks"]) < 200
+    resumed = PromptSource(rows, seed=7, uniform_after=2, floor=0.2)
+    resumed.load_state_dict(state)
+    assert resumed.passed_uniform == a.passed_uniform and resumed.uniform_rows == a.uniform_rows
+    assert play(resumed, 300) == play(a, 300)
+    fresh = make()  # without the streaks (an old checkpoint): the position only
+    fresh.load_state_dict({"epoch": state["epoch"], "pos": state["pos"]})
+    assert fresh.uniform_rows == 0
+    other = PromptSource(rows[:40], seed=7, uniform_after=2, floor=0.2)
+    other.load_state_dict(state)  # streaks of another dataset are not applied to these rows
+    assert other.uniform_rows == 0

@@ -89,7 +89,7 @@ def test_a_solved_task_ends_the_run_and_a_flat_reward_fails_it() -> None:
     now[0] = 20.0
     line, verdict = solved.check()
     assert verdict is None and line is not None and "the policy solves these prompts" in line
-    assert "dataset.skip_solved_after" in line and "The run ends in 40s" in line
+    assert "dataset.uniform_after" in line and "The run ends in 40s" in line
     assert "had different rewards" not in line  # the no-signal wording is not used
     now[0] = 61.0
     line, verdict = solved.check()

@@ -176,13 +176,26 @@ class DatasetConfig(_Section):
     """Number of generated held-out problems."""
     shuffle: bool = True
     """Shuffle the training rows each epoch (seeded by `run.seed`)."""
-    skip_solved_after: int = Field(0, ge=0)
-    """Skip a prompt once its last this-many groups were solved by every sample (reward ≥
-    `solved_reward`): a saturated task stops spending generation on groups that teach
-    nothing (DAPO-style dynamic sampling). 0 = never skip. Counted as
-    `data_skipped_solved`; when every prompt is solved they are served again."""
-    solved_reward: float = 1.0
-    """The reward at or above which a sample counts as solved (for `skip_solved_after`)."""
+    uniform_after: int = Field(0, ge=0)
+    """Online difficulty filtering: a prompt whose last this-many groups were uniform (every
+    sample scored the same: all solved or all failed, what `staleness.filter_uniform_groups`
+    throws away) is drawn with probability `difficulty_floor` only, until a group of it
+    disagrees again, so generation goes where there is signal. 0 = off. Counted as
+    `data_passed_uniform` (turns passed over) and `data_uniform_rows`; kept in checkpoints."""
+    difficulty_floor: float = Field(0.1, gt=0.0, le=1.0)
+    """The chance that a prompt `uniform_after` marks is still drawn when its turn comes:
+    none is dropped for good (a policy can unlearn a prompt, a failed one can come in reach)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _skip_solved_after(cls, data: Any) -> Any:
+        """`skip_solved_after` and `solved_reward` (before docs/design.md §10.41) read as
+        `uniform_after`, so older configs and run folders still load."""
+        if isinstance(data, dict) and ("skip_solved_after" in data or "solved_reward" in data):
+            data = dict(data)
+            data.setdefault("uniform_after", data.pop("skip_solved_after", 0))
+            data.pop("solved_reward", None)
+        return data
 
     @model_validator(mode="after")
     def _needs_path(self) -> DatasetConfig:

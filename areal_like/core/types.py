@@ -461,8 +461,9 @@ class RolloutStats(_Strict):
     cancelled: int = 0
     gate: GateSnapshot = Field(default_factory=GateSnapshot)
     outcomes: EpisodeOutcomes = Field(default_factory=EpisodeOutcomes)
-    data_position: dict[str, int] = Field(default_factory=dict)
-    """Where the prompt stream stands (what a checkpoint stores for `--resume`)."""
+    data_position: dict[str, int | str] = Field(default_factory=dict)
+    """Where the prompt stream stands (what a checkpoint stores for `--resume`; a string
+    value is state, such as the difficulty streaks, and stays out of the metrics)."""
     counters: RolloutCounters = Field(default_factory=RolloutCounters)
     eval: EvalResult | None = None
     origin: Origin | None = None
@@ -485,7 +486,7 @@ class RolloutStats(_Strict):
         `data_*` and the counters by name)."""
         out: dict[str, float] = {f"gate_{k}": float(v) for k, v in self.gate.model_dump().items()}
         out.update({f"outcome_{k}": float(v) for k, v in self.outcomes.model_dump().items()})
-        out.update({f"data_{k}": float(v) for k, v in self.data_position.items()})
+        out.update({f"data_{k}": float(v) for k, v in self.data_position.items() if not isinstance(v, str)})
         counters = self.counters.model_dump()
         out.update({f"{k}_seconds_total": float(v) for k, v in counters.pop("seconds").items()})
         out.update(counters.pop("pool"))
@@ -540,7 +541,7 @@ class VersionAnnouncement(_Strict):
     weight_store: str | None = None
     """host:port of the dist weight group's store: the rollout side registers there before
     admitting anything, so it is a member from the first version on."""
-    data_position: dict[str, int] | None = None
+    data_position: dict[str, int | str] | None = None
     """Where the rollout side's prompt stream resumes (set after `--resume`); applied once,
     before the first episode is admitted."""
     end: Goodbye | None = None

@@ -21,9 +21,11 @@ removed from training) and says so in one log line.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import random
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -237,6 +239,14 @@ class PromptSource:
     `EAGER_MEASURE` rows; a larger set is measured as its rows are first drawn (a chat
     template per row costs ~0.1 ms: 20k rows would hold the start by seconds), and only
     a set with no usable row at all is refused at load.
+
+    Online difficulty filtering (`uniform_after`, docs/design.md §10.41): a row whose last
+    `uniform_after` groups were uniform (every sample scored the same: all solved or all
+    failed, the groups `staleness.filter_uniform_groups` throws away) is served, when its
+    turn comes, with probability `floor` only, until a group of it disagrees again. The
+    draw is keyed by (seed, epoch, position), not by a generator's state, so the stream is
+    the same given the seed and the recorded groups, and `state_dict` (the streaks
+    included) resumes it exactly.
     """
 
     EAGER_MEASURE = 4096
@@ -248,16 +258,18 @@ class PromptSource:
         shuffle: bool = True,
         prompt_len: Callable[[dict[str, Any]], int] | None = None,
         max_prompt_len: int | None = None,
-        skip_solved_after: int = 0,
-        solved_reward: float = 1.0,
+        uniform_after: int = 0,
+        floor: float = 0.1,
     ) -> None:
+        if not 0.0 < floor <= 1.0:
+            raise ValueError(f"floor={floor}: a row must keep a chance to be drawn (0 < floor <= 1)")
         self.filtered_too_long = 0
-        self.skip_solved_after = skip_solved_after
-        self.solved_reward = solved_reward
-        self.skipped_solved = 0
-        """Times a solved prompt was passed over."""
+        self.uniform_after = uniform_after
+        self.floor = floor
+        self.passed_uniform = 0
+        """Turns of a uniform row that were passed over (generation not spent)."""
         self._streak: dict[int, int] = {}
-        """Row index -> groups in a row solved by every sample (only rows with a streak)."""
+        """Row index -> its last groups in a row that were uniform (only rows with a streak)."""
         self._fits: Callable[[dict[str, Any]], bool] | None = None
         self._measured: dict[int, bool] = {}
         if prompt_len is not None and max_prompt_len is not None:
@@ -308,43 +320,61 @@ class PromptSource:
             if fits:
                 return i
 
+    def _served_at_floor(self) -> bool:
+        """The draw for the turn just advanced to: the same for the same (seed, epoch, pos)."""
+        return random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.pos).random() < self.floor
+
     def next(self) -> dict[str, Any]:
-        """The next row; with `skip_solved_after`, rows solved that many groups in a row are
-        passed over (counted) unless every row is solved, so the stream never stops."""
-        i = self._advance()
-        k = self.skip_solved_after
-        if k and self._streak.get(i, 0) >= k:
-            first, where = i, (self.epoch, self.pos, self._order)
-            skipped = 0
-            while self._streak.get(i, 0) >= k and skipped < len(self.rows):
-                skipped += 1
-                i = self._advance()
-            if self._streak.get(i, 0) >= k:  # every row is solved: serve as if none were skipped
-                (self.epoch, self.pos, self._order), i, skipped = where, first, 0
-            self.skipped_solved += skipped
-        return self.rows[i]
+        """The next row; with `uniform_after`, a row uniform that many groups in a row is
+        served with probability `floor` and otherwise passed over (counted)."""
+        while True:
+            i = self._advance()
+            k = self.uniform_after
+            if not k or self._streak.get(i, 0) < k or self._served_at_floor():
+                return self.rows[i]
+            self.passed_uniform += 1
 
     def record(self, row: dict[str, Any], rewards: list[float], size: int) -> None:
-        """A group of `row` finished with these rewards (of `size` episodes): solved when
-        every episode finished with a reward of at least `solved_reward`."""
+        """A group of `row` finished with these rewards (of `size` episodes): uniform when
+        every episode finished and all scored the same."""
         i = self._index.get(id(row))
-        if i is None or not self.skip_solved_after:
+        if i is None or not self.uniform_after:
             return
-        if len(rewards) == size and all(r >= self.solved_reward for r in rewards):
+        if size > 1 and len(rewards) == size and len(set(rewards)) == 1:
             self._streak[i] = self._streak.get(i, 0) + 1
         else:
             self._streak.pop(i, None)
 
     @property
-    def solved(self) -> int:
-        """Rows currently skipped as solved."""
-        return sum(1 for n in self._streak.values() if n >= self.skip_solved_after) if self.skip_solved_after else 0
+    def uniform_rows(self) -> int:
+        """Rows now served at the floor."""
+        k = self.uniform_after
+        return sum(1 for n in self._streak.values() if n >= k) if k else 0
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the stream resumes (the counters ride along for the metrics; which rows are
-        solved is not kept: after a resume it is learnt again within a few groups)."""
-        return {"epoch": self.epoch, "pos": self.pos, "skipped_solved": self.skipped_solved, "solved": self.solved}
+    def state_dict(self) -> dict[str, int | str]:
+        """Where the stream resumes: its position and, with `uniform_after`, each row's streak
+        (one byte a row, zlib, base64: a few kB for 20k rows). The counters ride along for
+        the metrics (`data_passed_uniform`, `data_uniform_rows`)."""
+        state: dict[str, int | str] = {"epoch": self.epoch, "pos": self.pos}
+        if self.uniform_after:
+            streaks = bytearray(len(self.rows))
+            for i, n in self._streak.items():
+                streaks[i] = min(n, 255)
+            state.update(passed_uniform=self.passed_uniform, uniform_rows=self.uniform_rows,
+                         streaks=base64.b64encode(zlib.compress(bytes(streaks), 6)).decode("ascii"))
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._order = self._make_order()
+        self.passed_uniform = int(state.get("passed_uniform", 0))
+        raw = state.get("streaks")
+        if raw is None or not self.uniform_after:
+            return
+        streaks = zlib.decompress(base64.b64decode(raw))
+        if len(streaks) != len(self.rows):  # another dataset: the streaks name other rows
+            log.warning("the checkpoint's difficulty streaks are for %d rows, this dataset has %d: starting afresh",
+                        len(streaks), len(self.rows))
+            self._streak = {}
+            return
+        self._streak = {i: n for i, n in enumerate(streaks) if n}

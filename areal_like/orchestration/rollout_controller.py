@@ -347,7 +347,7 @@ class RolloutController:
         await self._report("final")
 
     # ---- recovery ---------------------------------------------------------------------------
-    def data_position(self) -> dict[str, int]:
+    def data_position(self) -> dict[str, int | str]:
         return {**self.source.state_dict(), "group_seq": self.book.group_seq}
 
 

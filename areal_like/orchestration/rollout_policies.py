@@ -193,7 +193,7 @@ class EpisodeBook:
         self.outcomes = {k: 0 for k in self.outcomes}
         self.reward_sum = 0.0
 
-    def seek(self, data_position: dict[str, int]) -> None:
+    def seek(self, data_position: dict[str, int | str]) -> None:
         self.group_seq = int(data_position.get("group_seq", self.group_seq))
 
     def snapshot(self) -> EpisodeOutcomes:

@@ -237,7 +237,7 @@ class RolloutSide:
 
         rows = self._rows["train"]
         source = PromptSource(rows, cfg.run.seed, cfg.dataset.shuffle, prompt_len, cfg.rollout.max_prompt_len,
-                              skip_solved_after=cfg.dataset.skip_solved_after, solved_reward=cfg.dataset.solved_reward)
+                              uniform_after=cfg.dataset.uniform_after, floor=cfg.dataset.difficulty_floor)
         if source.filtered_too_long:
             log.warning("%d prompts longer than rollout.max_prompt_len=%d were filtered at load",
                         source.filtered_too_long, cfg.rollout.max_prompt_len)

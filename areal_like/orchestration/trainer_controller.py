@@ -431,7 +431,7 @@ class TrainerController:
                 f"on the rollout side (serving v{r.loaded_version}){uniform}")
 
     # ---- channels ------------------------------------------------------------------------
-    def _announce(self, *, weights: WeightUpdateMeta | None = None, data_position: dict[str, int] | None = None,
+    def _announce(self, *, weights: WeightUpdateMeta | None = None, data_position: dict[str, int | str] | None = None,
                   force: bool = False, every_s: float = 0.5) -> None:
         if not self.announcer.due(time.time(), force, every_s):
             return

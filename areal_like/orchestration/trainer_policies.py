@@ -328,7 +328,7 @@ class Checkpointer:
         self.reports = reports
         self.accounted_before = 0
         """Episodes accounted for in the checkpoint resumed from (0: a fresh run)."""
-        self.data_position: dict[str, int] | None = None
+        self.data_position: dict[str, int | str] | None = None
         """The rollout side's data position in the checkpoint resumed from."""
 
     def accounted(self) -> int:
@@ -516,7 +516,7 @@ class StopRules:
     def __init__(self, cfg: ExperimentConfig, reward_name: str) -> None:
         self.cfg = cfg
         self.signal = SignalWatch(reward_name, max_no_signal_s=cfg.agent.max_no_signal_s,
-                                  skip_solved_after=cfg.dataset.skip_solved_after)
+                                  uniform_after=cfg.dataset.uniform_after)
         self.drift = DriftWatch(eta=cfg.staleness.max_staleness, lr=cfg.train.lr)
         self.fresh = FreshRewardWatch.for_config(cfg)
         self.truncation = TruncationWatch.for_config(cfg)  # not a stop: a line when answers run to the limit

@@ -113,9 +113,9 @@ class SignalWatch:
 
     def __init__(self, reward_name: str, *, max_no_signal_s: float, name_after_s: float = 10.0,
                  every_s: float = 30.0, min_groups: int = 2, clock: Any = time.monotonic,
-                 skip_solved_after: int = 0) -> None:
+                 uniform_after: int = 0) -> None:
         self.reward_name = reward_name
-        self.skip_solved_after = skip_solved_after
+        self.uniform_after = uniform_after
         self.max_no_signal_s = max_no_signal_s
         self.name_after_s = name_after_s
         self.every_s = every_s
@@ -174,9 +174,9 @@ class SignalWatch:
         if self.solved:
             what = (f"every sample of the last {self.uniform} groups ({waited:.0f}s) scored {self.best:g}, the best "
                     f"reward of this run (reward {self.reward_name!r}): the policy solves these prompts"
-                    + ("; dataset.skip_solved_after=2 serves the unsolved ones instead" if not self.skip_solved_after
-                       else f" (dataset.skip_solved_after={self.skip_solved_after}: every prompt is solved, so all "
-                            "are served again)")
+                    + ("; dataset.uniform_after=2 draws such prompts less often" if not self.uniform_after
+                       else f" (dataset.uniform_after={self.uniform_after}: the prompts drawn at "
+                            "dataset.difficulty_floor are solved too)")
                     + "; train.stop_at_eval_accuracy ends a run at a held-out target")
             if waited >= self.max_no_signal_s:
                 return None, f"the task is solved: {what}; the run ends here (agent.max_no_signal_s)"
