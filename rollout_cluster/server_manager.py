@@ -144,6 +144,7 @@ class ServerManager:
         restart: Callable[[str, BaseException], Awaitable[Any]] | None = None,
         max_restarts: int = 0,
         restart_backoff_s: float = 5.0,
+        explain: Callable[[BaseException], str] | None = None,
     ) -> None:
         if max_sticky_sessions < 1:
             raise ValueError("max_sticky_sessions must be >= 1")
@@ -156,6 +157,13 @@ class ServerManager:
         """`await restart(name, error)` -> a new server for `name` (or raises)."""
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
+        self.explain = explain
+        self.on_none_left: Callable[[NoServerAvailableError], None] | None = None
+        """Called once a failure leaves no server in rotation and none being restarted (a
+        death found by a weight update or a health poll, not only by a generate call): the
+        run stops now, not at the next episode, which may never come."""
+        """`explain(error)`: what to change when that error killed a server (the memory
+        settings for an out-of-memory kill), or "": added to the root cause."""
         self._slots: dict[str, _Slot] = {}
         self._sticky: _SessionLRU = _SessionLRU(maxsize=max_sticky_sessions)
         self._next_name = 0
@@ -257,6 +265,9 @@ class ServerManager:
         if self.last_error is None:
             return NoServerAvailableError("no rollout server is available (all were removed)")
         root = error_headline(self.last_error)
+        fix = self.explain(self.last_error) if self.explain is not None else ""
+        if fix:
+            root = f"{root}: {fix}"
         return NoServerAvailableError(f"{root} (no rollout server is left: all failed)", root_cause=root)
 
     async def _pick_or_wait(self, session_id: str) -> str:
@@ -293,6 +304,12 @@ class ServerManager:
             logger.error(
                 "rollout server %s: its %d restart(s) are spent; it stays down", name, self.max_restarts
             )
+        self._say_if_none_left()
+
+    def _say_if_none_left(self) -> None:
+        left = None if self._closing else self.none_left()
+        if left is not None and self.on_none_left is not None:
+            self.on_none_left(left)
 
     async def _restart(self, name: str, error: BaseException) -> None:
         """Restart attempts for `name` with exponential backoff, within the budget."""
@@ -324,6 +341,7 @@ class ServerManager:
             )
         finally:
             self._restarting.pop(name, None)
+        self._say_if_none_left()
 
     def begin_close(self) -> None:
         """The run is ending: no server is restarted from now on (one that fails is only

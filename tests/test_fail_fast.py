@@ -114,6 +114,61 @@ def test_no_server_left_trips_at_once_with_the_engine_root_cause() -> None:
     assert str(info.value).splitlines()[0] == ROOT_CAUSE
 
 
+def test_no_server_left_found_by_a_weight_update_is_in_the_report() -> None:
+    """No episode failed (the server died in a weight update, nothing was generating): the
+    report still says why the side stopped, so the trainer stops with it at once."""
+    ff = FailFast()
+    ff.no_server_left(NoServerAvailableError("x", root_cause="ActorDied: actor server-0 (pid 7) is gone"))
+    r = ff.report()
+    assert r is not None and r.first == "ActorDied: actor server-0 (pid 7) is gone" and "no rollout server" in r.stopped
+
+
+def test_a_server_failure_that_leaves_none_stops_at_once_with_what_to_change() -> None:
+    """The manager says so when a failure leaves no server and none restarting (not only
+    when the next episode asks), and an out-of-memory death names the settings to lower."""
+    from rollout_cluster.server_manager import ServerManager
+
+    async def main() -> list[NoServerAvailableError]:
+        said: list[NoServerAvailableError] = []
+        m = ServerManager({"server-0": object()}, explain=lambda e: "lower rollout.engine.max_batch_size"
+                          if "memory" in str(e) else "")
+        m.on_none_left = said.append
+        m.mark_failed("server-0", RuntimeError("Ray's memory monitor killed the process"))
+        return said
+
+    said = asyncio.run(main())
+    assert len(said) == 1
+    assert said[0].root_cause == ("RuntimeError: Ray's memory monitor killed the process: "
+                                  "lower rollout.engine.max_batch_size")
+
+
+def test_what_resume_cannot_fix_ends_without_the_resume_line() -> None:
+    """A rollout side that stops on the configuration, the model or user code ends the run
+    as a `RunFailed` (no `--resume` advice); a crash of our own code does not."""
+    from areal_like.core.config import ConfigError
+    from areal_like.orchestration.fail_fast import beyond_resume
+
+    failed = beyond_resume(ConfigError("rollout server server-0 on cpu could not start: EmbeddedEngine supports ..."))
+    assert isinstance(failed, RolloutFailedError)
+    run = _failed_episodes(failed)
+    assert run is not None and "--resume" not in str(run)
+    assert str(run).splitlines()[0] == "rollout server server-0 on cpu could not start: EmbeddedEngine supports ..."
+
+    import json
+
+    from areal_like.launcher.base import Ref
+
+    # (each traceback without this test's own frame, which would read as user code)
+    try:  # a library's own error about what it was given (the model, its tokenizer)
+        json.loads("{not json")
+    except ValueError as e:
+        assert beyond_resume(e.with_traceback(e.__traceback__.tb_next)) is not None
+    try:  # raised in our own code: a crash of ours, which --resume continues from
+        Ref().__await__()
+    except NotImplementedError as e:
+        assert beyond_resume(e.with_traceback(e.__traceback__.tb_next)) is None
+
+
 def test_errors_cross_process_boundaries_and_ray_wrapping_intact() -> None:
     import pickle
 

@@ -159,6 +159,28 @@ def test_rays_errors_become_the_launchers() -> None:
     assert _convert(KeyError("not Ray's")) is None
 
 
+def test_a_process_rays_memory_monitor_killed_is_a_dead_actor_with_its_memory() -> None:
+    """Ray's memory monitor raises `OutOfMemoryError` (not a `RayActorError`) for the call
+    that was running and every later one: read as a failed call, a server it killed was
+    sent every version again and never restarted (issue #46). It is a death, and its line
+    says the memory the process and the node had."""
+    pytest.importorskip("ray")
+    from ray import exceptions as rx
+
+    from areal_like.launcher.ray_launcher import _convert
+
+    text = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.5, ID: ab12) "
+            "where the task (actor ID: 01, name=ServerActor.__init__, pid=4242, memory used=12.30GB) was running "
+            "was 60.10GB / 62.00GB (0.969355), which exceeds the memory usage threshold of 0.95. Ray killed this "
+            "worker (ID: cd34) because it was the most recently scheduled task.")
+    oom = _convert(rx.OutOfMemoryError(text))
+    assert isinstance(oom, ActorDied), oom
+    assert str(oom) == ("OutOfMemoryError: Ray's memory monitor killed the process (the node ran low on memory); "
+                        "it had 12.30GB; the node had 60.10GB of 62.00GB in use (0.969355 > Ray's threshold 0.95)")
+    for gone in (rx.WorkerCrashedError(), rx.NodeDiedError("node 10.0.0.5 died"), rx.LocalRayletDiedError()):
+        assert isinstance(_convert(gone), ActorDied), gone
+
+
 def test_a_ray_ref_raises_the_launchers_error_when_awaited() -> None:
     pytest.importorskip("ray")
     from ray import exceptions as rx

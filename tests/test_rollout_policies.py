@@ -354,6 +354,13 @@ class _FakePool:
     def __init__(self) -> None:
         self.results: dict[str, int | BaseException] = {}
         self.restarted: list[tuple[str, int]] = []
+        self.dead: set[str] = set()
+        """Servers whose process is gone: `gone` (a metrics call) fails for them."""
+
+    async def gone(self, name: str) -> BaseException | None:
+        from areal_like.launcher import ActorDied
+
+        return ActorDied(f"{name} is gone") if name in self.dead else None
 
     async def receive(self, meta: WeightUpdateMeta):
         ok = {n: r for n, r in self.results.items() if isinstance(r, int)}
@@ -406,6 +413,30 @@ def test_a_server_that_misses_a_version_leaves_rotation_until_it_catches_up(capl
         assert pool.restarted == [("c", 2)]  # a restarted server serves what the others serve
         pool.results = {"a": 0}
         assert await w.apply(_meta(0, epoch=1)) == 0  # a resumed trainer's numbers start again
+
+    asyncio.run(main())
+
+
+def test_a_server_that_failed_a_version_and_no_longer_answers_is_dead_not_behind() -> None:
+    """Ray's memory monitor killed the server during the update: the call failed with an
+    error that is not an actor death (`ActorCallError` with Ray's `OutOfMemoryError` text,
+    before the launcher read it as one). The server no longer answers, so it is restarted,
+    not left waiting for a later version that it would fail too (issue #46: every version
+    failed, the trainer sent each one again, nothing restarted, nothing stopped)."""
+    from areal_like.launcher import ActorCallError
+    from areal_like.orchestration.server_pool import ServerWeights
+
+    async def main() -> None:
+        pool, manager = _FakePool(), _FakeManager(["a", "b"])
+        w = ServerWeights(pool)  # type: ignore[arg-type]
+        w.manager = manager
+        oom = ActorCallError("Task was killed due to the node running low on memory.")
+        pool.results, pool.dead = {"a": 1, "b": oom}, {"b"}
+        assert await w.apply(_meta(1)) == 1
+        assert manager.failed == ["b"] and "b" not in w._lagging  # restarted by the manager
+        pool.results, pool.dead = {"a": 2, "b": TimeoutError("slow receiver")}, set()
+        assert await w.apply(_meta(2)) == 2
+        assert manager.failed == ["b"] and "b" in w._lagging  # alive and answering: only behind
 
     asyncio.run(main())
 

@@ -4,7 +4,10 @@ The one place in the project that starts Ray (`init_ray`, through `RayLauncher.u
 the one that knows Ray's errors: a call's `RayRef` turns them into the launcher's own
 (`areal_like/launcher/base.py`) as it resolves:
 
-- `RayActorError` (the actor died, or cannot be reached): `ActorDied`;
+- `RayActorError` (the actor died, or cannot be reached): `ActorDied`; so are the errors
+  that say the actor's process is gone without being one: `OutOfMemoryError` (Ray's
+  memory monitor killed it: every later call on it raises this one too, with the memory
+  the process and the node had), `WorkerCrashedError`, `NodeDiedError`, `LocalRayletDiedError`;
 - `RayTaskError` (the method raised): the method's own exception, as itself, with the
   actor's traceback as a note; `ActorCallError` when it could not travel;
 - `GetTimeoutError`: `TimeoutError`; any other `RayError` (an object lost, a worker
@@ -23,7 +26,7 @@ from areal_like.launcher.base import ActorCallError, ActorDied, Placement, Ref, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayActor", "RayLauncher", "RayRef", "init_ray", "ray_env"]
+__all__ = ["RayActor", "RayLauncher", "RayRef", "init_ray", "oom_message", "ray_env"]
 
 
 def ray_env() -> dict[str, str]:
@@ -74,7 +77,9 @@ def _convert(error: BaseException) -> BaseException | None:
 
     if not isinstance(error, rx.RayError):
         return None
-    if isinstance(error, rx.RayActorError):
+    if isinstance(error, rx.OutOfMemoryError) or (isinstance(error, rx.RayActorError) and _oom_text(str(error))):
+        return ActorDied(oom_message(str(error)))
+    if isinstance(error, (rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.LocalRayletDiedError)):
         first = (str(error).strip().splitlines() or [""])[0]
         return ActorDied(f"{type(error).__name__}: {first}" if first else type(error).__name__)
     if isinstance(error, rx.GetTimeoutError):
@@ -94,6 +99,34 @@ def _convert(error: BaseException) -> BaseException | None:
             return ActorCallError(str(cause).strip(), None)
     lines = [x for x in str(error).splitlines() if x.strip() and not x.startswith("ray::")]
     return ActorCallError(lines[-1].strip() if lines else type(error).__name__, None)
+
+
+_OOM_MARK = "running low on memory"
+"""What Ray's memory monitor writes when it kills a worker (raylet: `OutOfMemoryError`, or
+the death cause of an `ActorDiedError` for calls made after it)."""
+
+
+def _oom_text(text: str) -> bool:
+    return _OOM_MARK in text
+
+
+def oom_message(text: str) -> str:
+    """One line for a process Ray's memory monitor killed: the memory the process and the
+    node had, and Ray's threshold (`RAY_memory_usage_threshold`), read out of Ray's text
+    (its layout varies by version: what is not found is left out)."""
+    import re
+
+    used = re.search(r"memory used=([\d.]+\s*[KMGT]?i?B)", text)
+    node = re.search(r"was ([\d.]+\s*[KMGT]?i?B) / ([\d.]+\s*[KMGT]?i?B)(?: \(([\d.]+)\))?", text)
+    threshold = re.search(r"memory usage threshold of (\d+(?:\.\d+)?)", text)
+    parts = ["OutOfMemoryError: Ray's memory monitor killed the process (the node ran low on memory)"]
+    if used:
+        parts.append(f"it had {used.group(1)}")
+    if node:
+        parts.append(f"the node had {node.group(1)} of {node.group(2)} in use"
+                     + (f" ({node.group(3)} > Ray's threshold {threshold.group(1)})" if node.group(3) and threshold
+                        else ""))
+    return "; ".join(parts)
 
 
 def _reraise(error: BaseException) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from areal_like.core.types import EpisodeFailures
 from rollout_cluster.server_manager import NoServerAvailableError, error_headline
 
-__all__ = ["FailFast", "FirstError", "RolloutFailedError"]
+__all__ = ["FailFast", "FirstError", "RolloutFailedError", "beyond_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,38 @@ class RolloutFailedError(RuntimeError):
         return (type(self), (self.first, self.reason))
 
 
+_MODEL_ERRORS = (ValueError, TypeError, KeyError, IndexError, NotImplementedError, ImportError)
+"""Raised inside a library (transformers, the tokenizer, torch) while the rollout side
+builds itself, these are what the model folder or the environment is (a tokenizer with
+no chat template, an architecture a library does not know), not a crash of ours."""
+
+
+def beyond_resume(error: BaseException) -> RolloutFailedError | None:
+    """The rollout side's error as a `RolloutFailedError` (the run ends without the
+    `--resume` line) when resuming cannot fix it: a `ConfigError` (the configuration, or
+    the model folder found wrong once a server loads it), user code (a frame of the
+    user's in its traceback), or one of `_MODEL_ERRORS` raised inside a library. None for
+    what `--resume` continues from: a crash of our own code, a lost process or connection
+    (docs/design.md §10.43)."""
+    from areal_like.core.config import ConfigError
+
+    if isinstance(error, RolloutFailedError) or not isinstance(error, Exception):
+        return None
+    if isinstance(error, ConfigError):
+        text = str(error).strip()
+        first = FirstError(headline=(text.splitlines() or ["ConfigError"])[0], error_type="ConfigError",
+                           message=text, traceback="")
+        return RolloutFailedError(first, "the rollout side stopped: fix the configuration or the model folder")
+    if user_frame(error) is not None:
+        return RolloutFailedError(FirstError.of(error), "the rollout side stopped on an error in user code")
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = _ours_or_library()[:4]  # our four packages (the rest: the standard library, installed packages)
+    if isinstance(error, _MODEL_ERRORS) and frames and not os.path.realpath(frames[-1].filename).startswith(ours):
+        return RolloutFailedError(FirstError.of(error), "the rollout side stopped on an error of the model or a "
+                                                        "library it uses")
+    return None
+
+
 class FailFast:
     """Counts episode outcomes and trips on the rules of the module docstring."""
 
@@ -190,10 +222,12 @@ class FailFast:
 
     def report(self) -> EpisodeFailures | None:
         """What the trainer's console says of failures (`RolloutStats.failures`)."""
-        if self.first is None:
+        # what stopped the side leads (no server left, found by a weight update: no episode failed)
+        first = self.tripped.first if self.tripped is not None else self.first
+        if first is None:
             return None
         judging = self.succeeded == 0 and not self._early_success and self._groups_seen < self.fail_fast_groups
-        return EpisodeFailures(first=self.first.headline, traceback=self.first.user_traceback[-4000:],
+        return EpisodeFailures(first=first.headline, traceback=first.user_traceback[-4000:],
                                stopped=self.tripped.reason if self.tripped is not None else None,
                                judging=judging)
 

@@ -56,6 +56,9 @@ class RolloutPeers:
         self._noted_at = time.time()
         self.joined: str | None = None
         """Set when a controller is accepted; the trainer hands it the current weights."""
+        self.found_dead: Exception | None = None
+        """A dead rollout side the trainer found during a train step: the run stops once
+        the step is whole (with a checkpoint first)."""
 
     # ---- frames ----------------------------------------------------------------------
     def admit(self, msg: TrajectoryGroup | RolloutStats, stopping: bool) -> bool:

@@ -105,8 +105,18 @@ class RolloutSide:
     async def serve(self) -> dict[str, Any]:
         """The rollout side as `run_both`'s actor: `main` on the actor's own event loop (an
         actor with coroutine methods runs every call on it, under Ray and locally alike),
-        through the launcher it connected to (nothing to bring up or shut down here)."""
-        return await self.main(in_run=True)
+        through the launcher it connected to (nothing to bring up or shut down here). An
+        error `--resume` cannot fix (the configuration, the model, user code) leaves as a
+        `RolloutFailedError`, which ends the run without the resume line."""
+        from areal_like.orchestration.fail_fast import beyond_resume
+
+        try:
+            return await self.main(in_run=True)
+        except Exception as e:
+            final = beyond_resume(e)
+            if final is not None:
+                raise final from None
+            raise
 
     async def main(self, in_run: bool = False) -> dict[str, Any]:
         from areal_like.orchestration.channels import ControlSubscriber, DataPusher
@@ -160,6 +170,10 @@ class RolloutSide:
                 fail_fast=FailFast.from_config(cfg.agent),
                 grow_groups_to=cfg.staleness.grow_groups_to,
             )
+            # a death that leaves no server (found by a weight update or the metrics poll) stops
+            # the run within a second (the controller's loop looks each second), not at an
+            # episode that may never start
+            self.manager.on_none_left = controller.fail_fast.no_server_left
             closing = asyncio.create_task(self._no_restarts_once(controller), name="no-restarts-at-stop")
             try:
                 await drive_rollout(controller, subscriber, cfg.transport.peer_timeout_s, cfg.transport.peer_dead_s,
@@ -217,7 +231,7 @@ class RolloutSide:
             max_sticky_sessions=cfg.rollout.max_sticky_sessions,
             restart=self.weights.restart, max_restarts=cfg.rollout.server_restarts,
             restart_backoff_s=cfg.rollout.server_restart_backoff_s,
-            on_server_failure=lambda name, _e: self.pool.mark_dead(name),
+            on_server_failure=lambda name, _e: self.pool.mark_dead(name), explain=self.pool.explain,
         )
         self.pool.on_death = self.manager.mark_failed  # found dead by the metrics poll
         overrides = {k: self.user[k] for k in ("reward_fn", "tools", "loops") if self.user.get(k) is not None}

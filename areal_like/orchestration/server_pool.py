@@ -73,6 +73,8 @@ class ServerPool:
         """`on_death(name, error)`: a server found dead outside a call (the metrics poll)."""
         self.waiting: set[str] = set()
         """Restarted servers waiting for the trainer to send the served version again."""
+        self._missed: dict[str, BaseException] = {}
+        """Why each server failed the last version sent to it (read by a waiting restart)."""
         self.held = False
         """`cluster.colocate`: the servers are paused for the trainer's step."""
         self.retired: dict[str, float] = {}
@@ -250,8 +252,49 @@ class ServerPool:
                     while self.versions[name] < loaded_version:
                         self._loaded.clear()
                         await self._loaded.wait()
+                        missed = self._missed.pop(name, None)
+                        if missed is not None and (_is_server_death(missed) or await self.gone(name) is not None):
+                            # died again while it waited (during the resend itself, say): this
+                            # restart failed, and the manager counts it; waiting on, the trainer
+                            # sent a dead server the version every few seconds for ever
+                            self.mark_dead(name)
+                            raise missed
                 finally:
                     self.waiting.discard(name)
+
+    async def gone(self, name: str, timeout_s: float = 5.0) -> BaseException | None:
+        """Whether a server that failed a call is gone, asked directly: a metrics call
+        that fails (not one that is only slow) says its process is dead, whatever error
+        type the launcher gave the first failure (Ray's memory monitor's `OutOfMemoryError`
+        was read as a failed update, and the dead server was sent every version again).
+        Returns that call's error, or None while it answers."""
+        handle = self.actors.get(name)
+        if handle is None:
+            return None
+        try:
+            await asyncio.wait_for(handle.metrics.remote(), timeout=timeout_s)
+        except TimeoutError:
+            return None  # busy, not dead: a later call tells
+        except Exception as e:
+            return e
+        return None
+
+    def explain(self, error: BaseException) -> str:
+        """What to change when a server died of memory (Ray's memory monitor, or an
+        engine's own out-of-memory error), else ""."""
+        text = str(getattr(error, "cause", None) or error)
+        if "OutOfMemoryError" not in text and "out of memory" not in text.lower():
+            return ""
+        engine = self.cfg.rollout.engine
+        if engine.type == "vllm":
+            from areal_like.orchestration.pools import vllm_is_cpu_build
+
+            keys = ("rollout.engine.kv_cache_gb" if vllm_is_cpu_build()
+                    else "rollout.engine.gpu_memory_utilization or rollout.engine.max_num_seqs")
+        else:
+            keys = "rollout.engine.max_batch_size or rollout.engine.max_seq_len"
+        return (f"each rollout server needs less memory: lower {keys}, or run fewer servers per node "
+                f"(rollout.num_servers={self.cfg.rollout.num_servers})")
 
     def is_alive(self, name: str) -> bool:
         """Started and not found dead (a server being restarted is not, until it is back)."""
@@ -295,9 +338,10 @@ class ServerPool:
         failed: dict[str, BaseException] = {}
         for n, r in zip(names, results, strict=True):
             if isinstance(r, BaseException):
-                failed[n] = r
+                failed[n] = self._missed[n] = r
             else:
                 ok[n] = self.versions[n] = int(r)
+                self._missed.pop(n, None)
         self._loaded.set()
         return ok, failed
 
@@ -390,7 +434,9 @@ class ServerWeights:
         async with self._lock:
             ok, failed = await self.pool.receive(meta)
             for name, e in failed.items():
-                if _is_server_death(e):  # its process, or its engine (vLLM's engine core) died
+                # its process, or its engine (vLLM's engine core) died; an error of another kind
+                # is asked about: a server that no longer answers is dead, not behind
+                if _is_server_death(e) or await self.pool.gone(name) is not None:
                     manager.mark_failed(name, e)
                 elif ok and name in manager.server_names:
                     log.warning("rollout server %s missed v%d (%s); out of rotation until it receives a later "

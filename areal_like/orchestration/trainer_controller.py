@@ -255,6 +255,8 @@ class TrainerController:
         t_wait = time.time()
         look_s = 0.05
         while self.trainer.version < cfg.train.total_steps and self.rules.ended is None:
+            if self.peers.found_dead is not None:  # found during the last step: stop before the next
+                self._check_peers(self.trainer.version)
             t_loop = time.time()
             with self.budget.phase("wait_data") as wait:  # renamed below when it waited for something else
                 self._drain(timeout_s=look_s)
@@ -371,6 +373,15 @@ class TrainerController:
         self._drain(timeout_s=0.0)
         if self.announcer.drops_due(self.buffer.dropped_sent != dropped):
             self._announce(force=True)
+        # A rollout side that stopped (no server left) or died ends the run now, not after
+        # training on through the whole buffer (docs/launching.md: within 30 s)
+        if self.check_peers is not None and self.peers.found_dead is None:
+            try:
+                self.check_peers()
+            except RunFailed:
+                raise
+            except Exception as e:  # a crash: the step ends first, then the checkpoint and the stop
+                self.peers.found_dead = e
 
     def _publish_weights(self, rec: dict[str, Any]) -> None:
         """The new version out (`WeightFeed.publish`). `weight_sync_s` is the time the
@@ -403,6 +414,8 @@ class TrainerController:
         knows of, stops the run."""
         had = self.peers.accepted
         try:
+            if self.peers.found_dead is not None:
+                raise self.peers.found_dead
             if self.check_peers is not None:
                 self.check_peers()
             self.peers.check()
