@@ -79,6 +79,11 @@ def test_metrics_summary_eval_and_final_export(real_run) -> None:
     for r in steps:
         assert {"time", "kind", "trainer_version", "step", "reward_mean", "loss", "samples", "max_version_lag"} <= r.keys()
     assert recs[-1]["kind"] == "summary" and recs[-1]["counts_add_up"]
+    # every step publishes a version and records its size: here the whole model's fp32 weights
+    from safetensors.torch import load_file
+
+    full = sum(t.numel() * t.element_size() for t in load_file(str(run_dir / "final" / "model.safetensors")).values())
+    assert {r.get("weight_bytes") for r in steps} == {full}
     assert any(r["kind"] == "eval" and "accuracy" in r for r in recs)
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert sorted(p.name for p in (run_dir / "weights").iterdir())[:2] == ["v0", "v1"]
