@@ -37,10 +37,26 @@ Staged = list[tuple[torch.Tensor, "torch.Tensor | MergedWeight"]]
 """(destination parameter, checked copy of the incoming tensor, or a LoRA merge) pairs."""
 
 
-def _cat(parts: list[torch.Tensor], into: torch.Tensor | None) -> torch.Tensor:
-    if into is not None and into.shape[0] == sum(p.shape[0] for p in parts) and into.dtype == parts[0].dtype:
-        return torch.cat(parts, out=into)
-    return torch.cat(parts)
+def _fuse(mods: list[torch.nn.Module], fused: torch.Tensor | None) -> torch.Tensor:
+    """`fused` when the modules' weights are still its row blocks (a load wrote into them);
+    else a new fused tensor, with the modules' weights made views of it."""
+    weights = [m.weight for m in mods]
+    if fused is not None:
+        off = 0
+        for w in weights:
+            if w.data_ptr() != fused[off].data_ptr() or w.shape[1:] != fused.shape[1:]:
+                break
+            off += w.shape[0]
+        else:
+            if off == fused.shape[0]:
+                return fused
+    fused = torch.cat([w.detach() for w in weights])
+    off = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight.data = fused[off:off + n]
+        off += n
+    return fused
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,10 +168,11 @@ class ModelRunner:
     def _pack(self) -> None:
         """Fuse q/k/v and gate/up projections into single matmuls.
 
-        Packed tensors are copies, so they must be rebuilt after every weight load
-        (the same trap vLLM's packed linears set for a plain `load_state_dict`); a reload
-        writes into the packed tensors it has (no new allocation per version: fresh pages
-        cost more than the copy on this machine).
+        The fused tensor holds the projections' weights as consecutive row blocks, and the
+        modules' own weights become views of it (vLLM's packed linears, the other way
+        round): a weight load writes straight into the fused tensor, so nothing is copied
+        again after a load and the weights are held once, not twice. `_state` (the names
+        a load writes to) is taken after the views are in place.
         """
         old = getattr(self, "_layers", None)
         layers = []
@@ -170,11 +187,11 @@ class ModelRunner:
                 _Layer(
                     ln1=layer.input_layernorm.weight,
                     ln2=layer.post_attention_layernorm.weight,
-                    w_qkv=_cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], old[i].w_qkv if old else None),
+                    w_qkv=_fuse([a.q_proj, a.k_proj, a.v_proj], old[i].w_qkv if old else None),
                     b_qkv=b_qkv,
                     w_o=a.o_proj.weight,
                     b_o=a.o_proj.bias,
-                    w_gu=_cat([mlp.gate_proj.weight, mlp.up_proj.weight], old[i].w_gu if old else None),
+                    w_gu=_fuse([mlp.gate_proj, mlp.up_proj], old[i].w_gu if old else None),
                     b_gu=b_gu,
                     w_down=mlp.down_proj.weight,
                     b_down=mlp.down_proj.bias,
@@ -183,6 +200,7 @@ class ModelRunner:
                 )
             )
         self._layers = layers
+        self._state = self.model.state_dict()
         self._embed = self.model.model.embed_tokens.weight
         self._norm = self.model.model.norm.weight
         self._lm_head = self.model.lm_head.weight
