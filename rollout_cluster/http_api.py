@@ -40,7 +40,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_like.core.types import GenerateResult, SamplingParams
@@ -159,15 +159,19 @@ class HttpServer:
     """The aiohttp application around one `RolloutServer`.
 
     `tool_parser` reads tool calls out of chat replies when the request offers
-    `tools` (default: hermes, the `agent.tool_parser` default).
+    `tools` (default: hermes, the `agent.tool_parser` default). Every request stops where a
+    rollout's answer stops: the engine's eos ids, the tokenizer's eos and `stop_token_ids`
+    (a config's `rollout.stop_token_ids`), plus the request's own `stop_token_ids`.
     """
 
     def __init__(
-        self, server: ServedModel, api_key: str | None = None, tool_parser: ToolParser | None = None
+        self, server: ServedModel, api_key: str | None = None, tool_parser: ToolParser | None = None,
+        stop_token_ids: Iterable[int] = (),
     ) -> None:
         self.server = server
         self.api_key = api_key
         self.tool_parser = tool_parser or HermesToolParser()
+        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.url: str | None = None
         self._runner: Any = None
         self._created = int(time.time())
@@ -304,6 +308,15 @@ class HttpServer:
                 code="model_not_found",
             )
 
+    def _sampling(self, body: dict[str, Any]) -> SamplingParams:
+        """The request's sampling with the server's stop ids added (the class docstring)."""
+        params = sampling_from_openai(body)
+        tok = self.server.tokenizer
+        eos = None if params.ignore_eos or tok is None else tok.eos_token_id
+        stop = list(params.stop_token_ids)
+        stop += [t for t in dict.fromkeys((*self.stop_token_ids, *(() if eos is None else (eos,)))) if t not in stop]
+        return params.model_copy(update={"stop_token_ids": stop}) if stop != params.stop_token_ids else params
+
     def _tokenizer(self) -> Any:
         tok = self.server.tokenizer
         if tok is None:
@@ -365,7 +378,7 @@ class HttpServer:
 
         body = await self._json(request)
         self._check_model(body)
-        params = sampling_from_openai(body)
+        params = self._sampling(body)
         opts = output_options(body, chat=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -411,7 +424,7 @@ class HttpServer:
 
         body = await self._json(request)
         self._check_model(body)
-        params = sampling_from_openai(body)
+        params = self._sampling(body)
         opts = output_options(body, chat=True)
         messages = normalize_messages(body.get("messages"))
         tools, parse_calls = chat_tools(body)

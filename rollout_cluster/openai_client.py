@@ -232,6 +232,7 @@ class ChatClient:
         """The conversation the recorded tokens stand for (ends with the last assistant turn)."""
         self.final_text = ""
         self.stop_reason = ""
+        self.stop_token_id: int | None = None
         self.num_calls = 0
         self.num_observations = 0
         self.num_fallbacks = 0
@@ -281,7 +282,7 @@ class ChatClient:
             )
             self.num_calls += 1
             self.num_interrupts += result.num_interrupts
-            self.stop_reason = result.stop_reason
+            self.stop_reason, self.stop_token_id = result.stop_reason, result.stop_token_id
             self.record.add(result.token_ids, 1, result.logprobs, result.versions)
             if result.stop_reason == "abort":
                 raise GenerationAborted(f"episode {self.episode_id}: the engine aborted the request")
@@ -380,6 +381,7 @@ class ChatClient:
             final_text=self.final_text,
             messages=self.messages,
             stop_reason=self.stop_reason,
+            stop_token_id=None if truncated else self.stop_token_id,
             termination=termination,
         )
 

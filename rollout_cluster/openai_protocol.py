@@ -5,8 +5,9 @@ params from a body, text content parts, tool calls as OpenAI `tool_calls`, compl
 chat replies, `logprobs` / `top_logprobs`, SSE chunks, and OpenAI's error shape.
 
 Every choice also carries the RL extras the trainer needs, which plain OpenAI responses
-lack: `token_ids`, `token_logprobs` (behaviour logprobs) and `versions`; the response
-carries `prompt_token_ids`. They are additive fields; SDKs ignore them.
+lack: `token_ids`, `token_logprobs` (behaviour logprobs), `versions` and `stop_token_id` (the
+id that ended the answer, null when the length cut it); the response carries
+`prompt_token_ids`. They are additive fields; SDKs ignore them.
 
 The same replies as server-sent-event chunks are in `rollout_cluster.openai_stream`.
 """
@@ -397,6 +398,7 @@ def rl_extras(result: GenerateResult) -> dict[str, Any]:
         "token_logprobs": result.logprobs,
         "versions": result.versions,
         "num_interrupts": result.num_interrupts,
+        "stop_token_id": result.stop_token_id,
     }
 
 
@@ -430,8 +432,10 @@ def assistant_content(result: GenerateResult, tokenizer: Any, stop_ids: set[int]
 
 
 def content_ids(result: GenerateResult, stop_ids: set[int]) -> list[int]:
+    """The ids of the answer's text: the stop token that ended it (one of `stop_ids`, or the one
+    the engine names, e.g. an end-of-turn id among the generation config's eos ids) left out."""
     ids = result.token_ids
-    if ids and result.stop_reason == "stop" and ids[-1] in stop_ids:
+    if ids and result.stop_reason == "stop" and (ids[-1] in stop_ids or ids[-1] == result.stop_token_id):
         ids = ids[:-1]
     return ids
 

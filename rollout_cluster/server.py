@@ -342,20 +342,22 @@ class RolloutServer:
     # ---- HTTP -------------------------------------------------------------------------
 
     async def start_http(
-        self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, tool_parser: Any = None
+        self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, tool_parser: Any = None,
+        stop_token_ids: Iterable[int] = (),
     ) -> str:
         """Serve the OpenAI-compatible API; returns the base URL (`http://host:port`).
 
         `tool_parser` (a `ToolParser`, default hermes) reads `tool_calls` out of chat
         replies; pass the run's (`agent.tool_parser`) so HTTP agents see what in-process
-        agents see.
+        agents see. `stop_token_ids` (the run's `rollout.stop_token_ids`) end every answer,
+        besides the eos ids and a request's own.
         """
         from rollout_cluster.http_api import HttpServer
 
         if self._http is not None:
             return self._http.url
         # HttpServer refuses a non-loopback host without an api_key.
-        http = HttpServer(self, api_key=api_key, tool_parser=tool_parser)
+        http = HttpServer(self, api_key=api_key, tool_parser=tool_parser, stop_token_ids=stop_token_ids)
         url = await http.start(host, port)
         self._http = http  # only once it listens: a refused start raises again next time
         return url

@@ -80,6 +80,8 @@ class GenerateResult(_Strict):
     stop_reason: StopReason
     num_interrupts: int = 0
     """How many weight updates interrupted this request while it was decoding."""
+    stop_token_id: int | None = None
+    """The id that ended the answer (the last of `token_ids`) when `stop_reason` is `stop`; else None."""
 
     @model_validator(mode="after")
     def _lengths(self) -> GenerateResult:
@@ -167,6 +169,8 @@ class AgentLoopOutput(_Strict):
     episode_id: str | None = None
     stop_reason: StopReason | None = None
     """Of the last generate call (`abort` means the engine gave up on the episode)."""
+    stop_token_id: int | None = None
+    """The token that ended the last answer (an eos, end-of-turn or stop id); None when cut or aborted."""
     termination: str | None = None
     """Why the loop ended (`stop`, `length`, `max_turns`, ...)."""
     extra: Annotated[dict[str, Any], AfterValidator(LoopExtra)] = Field(default_factory=LoopExtra)
@@ -186,13 +190,8 @@ class AgentLoopOutput(_Strict):
 
     @model_validator(mode="after")
     def _provenance(self) -> AgentLoopOutput:
-        _check_provenance(
-            "AgentLoopOutput",
-            self.response_ids,
-            self.response_mask,
-            self.response_logprobs,
-            self.response_versions,
-        )
+        _check_provenance("AgentLoopOutput", self.response_ids, self.response_mask, self.response_logprobs,
+                          self.response_versions)
         return self
 
 
@@ -217,16 +216,13 @@ class Trajectory(_Strict):
     truncated: bool = False
     num_turns: int = 0
     metrics: dict[str, float] = Field(default_factory=dict)
+    stop_token_id: int | None = None
+    """The token that ended the answer; None when the length cut it (records of old runs: None)."""
 
     @model_validator(mode="after")
     def _provenance(self) -> Trajectory:
-        _check_provenance(
-            f"Trajectory {self.episode_id}",
-            self.response_ids,
-            self.response_mask,
-            self.response_logprobs,
-            self.response_versions,
-        )
+        _check_provenance(f"Trajectory {self.episode_id}", self.response_ids, self.response_mask,
+                          self.response_logprobs, self.response_versions)
         if not math.isfinite(self.reward):
             raise ValueError(f"Trajectory {self.episode_id}: reward {self.reward} is not finite")
         return self

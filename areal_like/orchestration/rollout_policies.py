@@ -256,6 +256,7 @@ class EpisodeRunner:
                 truncated=out.truncated,
                 num_turns=out.num_turns,
                 metrics=out.metrics,
+                stop_token_id=out.stop_token_id,
             )
         except asyncio.CancelledError:
             task.cancel()

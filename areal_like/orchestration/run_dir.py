@@ -250,6 +250,7 @@ class RunDir:
                         "consumed_at_version": consumed_at_version,
                         "temperature": t.temperature,
                         "truncated": t.truncated,
+                        "stop_token_id": t.stop_token_id,
                     }
                     f.write(json.dumps(rec, separators=(",", ":")) + "\n")
 

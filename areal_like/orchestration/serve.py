@@ -86,8 +86,10 @@ async def start_serving(
     port: int = 0,
     api_key: str | None = None,
     tool_parser: Any = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> Serving:
-    """Start each server's HTTP API (port, port+1, ...; all OS-picked for port 0).
+    """Start each server's HTTP API (port, port+1, ...; all OS-picked for port 0); every
+    answer also stops at `stop_token_ids` (the config's `rollout.stop_token_ids`).
 
     A host beyond loopback without `api_key` is refused (`PermissionError`) by the
     HTTP server itself; if any server fails to bind, the ones already listening stop.
@@ -97,7 +99,8 @@ async def start_serving(
         for i, server in enumerate(servers):
             urls.append(
                 await server.start_http(
-                    host, port + i if port else 0, api_key=api_key, tool_parser=tool_parser
+                    host, port + i if port else 0, api_key=api_key, tool_parser=tool_parser,
+                    stop_token_ids=stop_token_ids,
                 )
             )
     except BaseException:
@@ -126,7 +129,8 @@ async def serve_main(
     """Serve until `stop` is set or SIGINT/SIGTERM arrives; returns what was served.
 
     `servers` replaces the config's (tests pass servers over fake engines); the tool
-    parser is always the config's `agent.tool_parser`.
+    parser and the extra stop ids are always the config's (`agent.tool_parser`,
+    `rollout.stop_token_ids`: answers stop where a rollout's do).
     """
     from rollout_cluster.http_api import is_loopback_host
     from rollout_cluster.tool_parser import get_tool_parser
@@ -155,7 +159,8 @@ async def serve_main(
         stop.set()
 
     try:
-        serving = await start_serving(servers, host=host, port=port, api_key=api_key, tool_parser=parser)
+        serving = await start_serving(servers, host=host, port=port, api_key=api_key, tool_parser=parser,
+                                      stop_token_ids=cfg.rollout.stop_token_ids)
         for sig in previous:
             loop.add_signal_handler(sig, on_signal, sig)
         if on_ready is not None:

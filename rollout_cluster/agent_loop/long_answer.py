@@ -64,6 +64,7 @@ class LongAnswerLoop(ToolAgentLoop):
             "response_logprobs": out.response_logprobs + list(res.logprobs),
             "response_versions": out.response_versions + list(res.versions),
             "stop_reason": "abort" if res.stop_reason == "abort" else out.stop_reason,
+            "stop_token_id": None if res.stop_reason == "abort" else out.stop_token_id,
             "metrics": {**out.metrics, "long_answer_tokens": float(len(res.token_ids)),
                         "generate_s": out.metrics.get("generate_s", 0.0) + time.perf_counter() - start,
                         "long_answer_interrupts": float(res.num_interrupts)},

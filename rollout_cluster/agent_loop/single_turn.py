@@ -46,5 +46,6 @@ class SingleTurnAgentLoop(AgentLoopBase):
             final_text=text,
             messages=[*messages, {"role": "assistant", "content": text}],
             stop_reason=result.stop_reason,
+            stop_token_id=None if truncated else result.stop_token_id,
             termination="length" if truncated else result.stop_reason,
         )

@@ -80,6 +80,7 @@ class _Episode:
     pending_calls: list[ToolCall] = field(default_factory=list)
     final_text: str = ""
     stop_reason: str = ""
+    stop_token_id: int | None = None
     termination: str = ""
     truncated: bool = False
     tool_rewards: list[float] = field(default_factory=list)
@@ -147,7 +148,7 @@ class ToolAgentLoop(AgentLoopBase):
         ep.counts["num_interrupts"] += result.num_interrupts
         ep.assistant_turns += 1
         ep.add_generated(result)
-        ep.stop_reason = result.stop_reason
+        ep.stop_reason, ep.stop_token_id = result.stop_reason, result.stop_token_id
         parsed = self.tool_parser.parse(self.decode(result.token_ids))
         ep.final_text = parsed.content
         ep.messages.append(_assistant_message(parsed.content, parsed.calls))
@@ -252,6 +253,7 @@ class ToolAgentLoop(AgentLoopBase):
             final_text=ep.final_text,
             messages=ep.messages,
             stop_reason=ep.stop_reason,
+            stop_token_id=None if ep.truncated else ep.stop_token_id,
             termination=ep.termination,
             extra={
                 "tool_rewards": ep.tool_rewards,

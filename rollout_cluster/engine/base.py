@@ -446,8 +446,10 @@ def finished_result(
     versions: list[int],
     stop_reason: StopReason,
     num_interrupts: int,
+    stop_token_id: int | None = None,
 ) -> GenerateResult:
-    """Build the final result without re-validating lengths the engine already keeps equal."""
+    """Build the final result without re-validating lengths the engine already keeps equal.
+    `stop_token_id` (the id that ended the answer) is kept only with `stop_reason` `stop`."""
     return GenerateResult.model_construct(
         request_id=request_id,
         token_ids=list(token_ids),
@@ -455,4 +457,5 @@ def finished_result(
         versions=list(versions),
         stop_reason=stop_reason,
         num_interrupts=num_interrupts,
+        stop_token_id=stop_token_id if stop_reason == "stop" else None,
     )

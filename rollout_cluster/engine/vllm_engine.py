@@ -116,6 +116,8 @@ class _Call:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     interrupts: int = 0
+    stop_id: int | None = None
+    """The token that ended the answer (`vllm_translate.stop_token_of` of its last output)."""
     sub_id: str = ""
     attempt: int = 0
     resume: bool = False
@@ -199,12 +201,8 @@ class VLLMEngine(AsyncGenerateEngine):
         kwargs = engine_args_kwargs(str(model_path), self.config, seed, cpu=cpu)
         limit = model_max_len(model_path)
         if limit is not None and kwargs["max_model_len"] > limit:
-            logger.warning(
-                "max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
-                kwargs["max_model_len"],
-                limit,
-                limit,
-            )
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
+                           kwargs["max_model_len"], limit, limit)
             kwargs["max_model_len"] = limit
         self.max_seq_len = int(kwargs["max_model_len"])
         self._weights = _ServedWeights(checkpoint_schema(model_path), tied_embeddings(model_path))
@@ -265,7 +263,7 @@ class VLLMEngine(AsyncGenerateEngine):
             self.counters.requests_aborted += 1
         else:
             self.counters.requests_finished += 1
-        return finished_result(rid, call.tokens, call.logprobs, call.versions, reason, call.interrupts)
+        return finished_result(rid, call.tokens, call.logprobs, call.versions, reason, call.interrupts, call.stop_id)
 
     async def generate(
         self,
@@ -306,7 +304,7 @@ class VLLMEngine(AsyncGenerateEngine):
             call.streaming = True
             try:
                 async for out in stream:
-                    ids, lps, reason = parse_completion(out.outputs[0])
+                    ids, lps, reason, call.stop_id = parse_completion(out.outputs[0])
                     if ids:
                         call.tokens.extend(ids)
                         call.logprobs.extend(lps)

@@ -48,6 +48,7 @@ __all__ = [
     "resubmission",
     "map_finish_reason",
     "parse_completion",
+    "stop_token_of",
     "checkpoint_schema",
     "check_update",
     "model_max_len",
@@ -169,16 +170,29 @@ def map_finish_reason(reason: str | None) -> StopReason | None:
     return "abort"  # e.g. "error": the request did not complete normally
 
 
-def parse_completion(completion: Any) -> tuple[list[int], list[float], StopReason | None]:
-    """A vLLM `CompletionOutput` -> (token ids, sampled-token logprobs, reason); with
-    `RequestOutputKind.DELTA` these are the tokens new since the previous output."""
+def parse_completion(completion: Any) -> tuple[list[int], list[float], StopReason | None, int | None]:
+    """A vLLM `CompletionOutput` -> (token ids, sampled-token logprobs, reason, stop id); with
+    `RequestOutputKind.DELTA` these are the tokens new since the previous output. The stop id
+    is the token that ended a finished answer (`stop_token_of`), else None."""
     ids = list(completion.token_ids)
     lps: list[float] = []
     for tok, entry in zip(ids, completion.logprobs or [], strict=False):
         lps.append(float(entry[tok].logprob))
     if len(lps) != len(ids):
         raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs (logprobs=0 missing?)")
-    return ids, lps, map_finish_reason(completion.finish_reason)
+    return ids, lps, map_finish_reason(completion.finish_reason), stop_token_of(completion, ids)
+
+
+def stop_token_of(completion: Any, ids: list[int]) -> int | None:
+    """The id that ended a `stop`-finished `CompletionOutput`: vLLM's `stop_reason` is that id
+    when one of `stop_token_ids` ended it, and None when the eos did (then the eos is the last
+    of `ids`, which vLLM keeps). None for any other finish, or a stop string (never asked)."""
+    if completion.finish_reason != "stop":
+        return None
+    stop = getattr(completion, "stop_reason", None)
+    if isinstance(stop, int) and not isinstance(stop, bool):
+        return stop
+    return ids[-1] if stop is None and ids else None
 
 
 # ---- weight updates: checked against the checkpoint before anything is paused -------

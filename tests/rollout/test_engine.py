@@ -163,6 +163,8 @@ def test_stop_tokens_max_tokens_and_max_seq_len(tiny_model_dir):
     assert res["stop"].stop_reason == "stop" and res["stop"].token_ids == free.token_ids[: first + 1]
     assert free.stop_reason == "length" and len(free.token_ids) == 10
     assert res["cap"].stop_reason == "length" and len(res["cap"].token_ids) == 128 - 120
+    # the result names the id that stopped it; none when the length cut it
+    assert res["stop"].stop_token_id == stop_tok and free.stop_token_id is None is res["cap"].stop_token_id
 
 
 def test_ignore_eos_decodes_past_the_models_eos(tiny_model_dir):
@@ -176,6 +178,7 @@ def test_ignore_eos_decodes_past_the_models_eos(tiny_model_dir):
     res = run_all(engine)
     assert res["eos"].stop_reason == "stop" and res["eos"].token_ids == ref[: ref.index(eos) + 1]
     assert res["ign"].stop_reason == "length" and res["ign"].token_ids == ref
+    assert res["eos"].stop_token_id == eos and res["ign"].stop_token_id is None  # the model's eos stopped it
 
 
 def test_abort_returns_partial_tokens(tiny_model_dir):
@@ -190,6 +193,7 @@ def test_abort_returns_partial_tokens(tiny_model_dir):
     steps(engine, 5, done)
     (ra,) = engine.abort(["a", "unknown"])
     assert ra.stop_reason == "abort" and len(ra.token_ids) == 5 == len(ra.logprobs) == len(ra.versions)
+    assert ra.stop_token_id is None
     res = run_all(engine)
     assert "a" not in res and len(res["b"].token_ids) == 50
     assert engine.metrics()["requests_aborted"] == 1

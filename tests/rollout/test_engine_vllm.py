@@ -26,6 +26,7 @@ from rollout_cluster.engine.vllm_translate import (
     parse_completion,
     resubmission,
     seeded_sampling_supported,
+    stop_token_of,
     vllm_sampling_kwargs,
 )
 from rollout_cluster.engine.vllm_worker import VLLMWeightExtension, pack_tensors, unpack_tensors
@@ -78,12 +79,31 @@ def test_parse_completion_takes_sampled_token_logprobs():
         logprobs=[{11: lp(logprob=-0.5), 99: lp(logprob=-3.0)}, {12: lp(logprob=-1.25)}],
         finish_reason="length",
     )
-    assert parse_completion(comp) == ([11, 12], [-0.5, -1.25], "length")
+    assert parse_completion(comp) == ([11, 12], [-0.5, -1.25], "length", None)
     comp.logprobs = None
     with pytest.raises(RuntimeError, match="logprobs"):
         parse_completion(comp)
     assert map_finish_reason(None) is None and map_finish_reason("stop") == "stop"
     assert map_finish_reason("error") == "abort"
+
+
+def test_the_token_that_stopped_a_completion_comes_from_vllms_stop_reason():
+    """vLLM's `CompletionOutput.stop_reason` is the id when one of `stop_token_ids` ended the
+    answer, None when the eos did (then the eos is the last token, kept); only `stop` has one."""
+    lp = SimpleNamespace(logprob=-0.5)
+
+    def comp(ids, finish, stop_reason=None):
+        return SimpleNamespace(token_ids=ids, logprobs=[{t: lp} for t in ids], finish_reason=finish,
+                               stop_reason=stop_reason)
+
+    assert parse_completion(comp([5, 7], "stop", 7))[2:] == ("stop", 7)  # a stop_token_ids id
+    assert parse_completion(comp([5, 2], "stop", None))[2:] == ("stop", 2)  # the eos, last of the ids
+    assert parse_completion(comp([5, 6], "length"))[3] is None
+    assert parse_completion(comp([5], None))[3] is None  # not finished yet
+    assert parse_completion(comp([], "abort"))[3] is None
+    assert stop_token_of(comp([5, 6], "stop", "</s>"), [5, 6]) is None  # a stop string: never asked
+    no_field = SimpleNamespace(token_ids=[3], logprobs=[{3: lp}], finish_reason="stop")  # older vLLM
+    assert parse_completion(no_field)[3] == 3
 
 
 def test_worker_extension_reloads_then_reties_embeddings_and_redispatches_head():

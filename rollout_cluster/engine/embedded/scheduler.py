@@ -56,9 +56,9 @@ class Seq:
 
     def result(self) -> GenerateResult:
         assert self.stop_reason is not None
-        return finished_result(
-            self.request_id, self.out_ids, self.logprobs, self.versions, self.stop_reason, self.num_interrupts
-        )
+        stop_id = self.ids[-1] if self.stop_reason == "stop" else None  # `append` stopped on this id
+        return finished_result(self.request_id, self.out_ids, self.logprobs, self.versions, self.stop_reason,
+                               self.num_interrupts, stop_id)
 
 
 @dataclass(eq=False)
