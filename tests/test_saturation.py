@@ -69,14 +69,12 @@ def test_a_grown_group_counts_as_that_many_prompts_of_a_batch() -> None:
     assert [g.group_id for g in old.pop_batch(0, 1) or []] == ["a"]
 
 
-@pytest.mark.parametrize("grow, why", [(6, "power of 2"), (2, "power of 2"), (64, "more than a step")])
-def test_growth_that_could_never_be_admitted_or_trained_is_refused(grow: int, why: str) -> None:
-    with pytest.raises(ValueError, match=why):
+@pytest.mark.parametrize("grow", [6, 2])
+def test_growth_that_is_no_doubling_is_refused(grow: int) -> None:
+    """Too large a growth is capped, said at the start (tests/test_learning_controls.py)."""
+    with pytest.raises(ValueError, match="power of 2"):
         validate_config({"rollout": {"group_size": 4}, "train": {"batch_size": 4},
                          "staleness": {"grow_groups_to": grow}})
-    with pytest.raises(ValueError, match="filter_uniform_groups"):
-        validate_config({"rollout": {"group_size": 4}, "train": {"batch_size": 4},
-                         "staleness": {"grow_groups_to": 8, "filter_uniform_groups": False}})
 
 
 def _run(tiny_model_dir: Path, run_dir: Path, reward: Path, *sets: str) -> list[dict]:

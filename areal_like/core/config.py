@@ -369,7 +369,9 @@ class StalenessConfig(_Section):
     groups of up to this many episodes (`rollout.group_size` doubled, a multiple of it):
     a larger group is uniform less often, so fewer samples are thrown away per trained
     one; a step still trains `train.batch_size` × `rollout.group_size` samples, from
-    fewer prompts (docs/design.md §10.25)."""
+    fewer prompts (docs/design.md §10.25). Capped at what a step and
+    `staleness.max_concurrent` hold whole, and off when `filter_uniform_groups` is false,
+    each said in one line at the start."""
 
 
 class LossConfig(_Section):
@@ -452,7 +454,8 @@ class TrainConfig(_Section):
     """Train steps (each advances the version by one)."""
     stop_at_eval_accuracy: float | None = Field(None, gt=0.0, le=1.0)
     """End the run (as configured, exit 0) once a held-out evaluation reaches this sampled
-    accuracy; None = train all `total_steps`. Needs `eval.every_n_steps > 0`."""
+    accuracy; None = train all `total_steps`. Ignored, said in one line at the start, when
+    nothing evaluates (`eval.every_n_steps` or `eval.num_samples` 0)."""
     max_consecutive_skips: int = Field(3, ge=1)
     """Train steps skipped in a row (non-finite loss or gradient) that stop the run with an
     error: a model that only produces NaN must not spin forever."""
@@ -675,12 +678,6 @@ class ExperimentConfig(_Section):
             raise ValueError(f"train.loss.overlong_buffer={loss.overlong_buffer} must be less than the limit it counts "
                              f"to ({limit}: train.loss.overlong_max_len, else rollout.response_length), and that "
                              f"limit at most rollout.response_length={self.rollout.response_length}")
-        if self.train.stop_at_eval_accuracy is not None and (self.eval.every_n_steps <= 0
-                                                             or self.eval.num_samples <= 0):
-            raise ValueError(
-                f"train.stop_at_eval_accuracy={self.train.stop_at_eval_accuracy} needs evaluations: "
-                f"eval.every_n_steps={self.eval.every_n_steps}, eval.num_samples={self.eval.num_samples}"
-            )
         return self
 
     def train_for_workers(self) -> TrainConfig:
@@ -693,20 +690,43 @@ class ExperimentConfig(_Section):
         return self.train.model_copy(update={"loss": loss})
 
     def _check_growth(self) -> None:
-        """`staleness.grow_groups_to`: a doubling of `rollout.group_size` that a step and the
-        gate can hold whole."""
+        """`staleness.grow_groups_to`: a doubling of `rollout.group_size`."""
         g, n = self.staleness.grow_groups_to, self.rollout.group_size
-        if not g:
-            return
-        if g < n or g % n or (g // n) & (g // n - 1):
+        if g and (g < n or g % n or (g // n) & (g // n - 1)):
             raise ValueError(f"staleness.grow_groups_to={g} must be rollout.group_size={n} times a power of 2")
-        if g > min(self.samples_per_step, self.staleness.max_concurrent):
-            raise ValueError(f"staleness.grow_groups_to={g} is more than a step's samples ({self.samples_per_step}) "
-                             f"or staleness.max_concurrent ({self.staleness.max_concurrent}): such a group could "
-                             "never be admitted or trained whole")
-        if not self.staleness.filter_uniform_groups:
-            raise ValueError("staleness.grow_groups_to needs staleness.filter_uniform_groups: it grows groups "
-                             "because uniform ones are thrown away")
+
+    @property
+    def group_growth(self) -> int:
+        """The largest group `staleness.grow_groups_to` may grow to here: capped at what a
+        step and the gate hold whole (a larger group could never be admitted or trained), 0
+        when that leaves no doubling or when uniform groups are kept (growth answers their
+        filtering). `notes` says when it differs from the key."""
+        g, n = self.staleness.grow_groups_to, self.rollout.group_size
+        if not g or not self.staleness.filter_uniform_groups:
+            return 0
+        room = min(self.samples_per_step, self.staleness.max_concurrent)
+        while g > room:
+            g //= 2
+        return g if g > n else 0
+
+    def notes(self) -> list[str]:
+        """Settings this config makes inert, one line each (the preflight logs them): a
+        file's setting an override turned moot is said, not refused."""
+        out = []
+        if self.train.stop_at_eval_accuracy is not None and (self.eval.every_n_steps <= 0
+                                                             or self.eval.num_samples <= 0):
+            out.append(f"train.stop_at_eval_accuracy={self.train.stop_at_eval_accuracy} is ignored: nothing "
+                       f"evaluates (eval.every_n_steps={self.eval.every_n_steps}, "
+                       f"eval.num_samples={self.eval.num_samples})")
+        g = self.staleness.grow_groups_to
+        if g and self.group_growth != g:
+            why = ("uniform groups are kept (staleness.filter_uniform_groups=false)"
+                   if not self.staleness.filter_uniform_groups else
+                   f"a step holds {self.samples_per_step} samples and staleness.max_concurrent="
+                   f"{self.staleness.max_concurrent}")
+            now = f"groups grow to {self.group_growth}" if self.group_growth else "groups do not grow"
+            out.append(f"staleness.grow_groups_to={g}: {now}, since {why}")
+        return out
 
     def _check_lora(self) -> None:
         if not self.model.lora.enabled:

@@ -125,6 +125,8 @@ def _preflight(cfg: ExperimentConfig, role: str, resume: bool = False, overwrite
         raise typer.Exit(0) from None
     except (ConfigError, RunDirError) as e:
         _fail(str(e))
+    for line in cfg.notes():  # settings an override made inert: said, not refused (§10.41)
+        typer.echo(f"note: {line}", err=True)
 
 
 def _end(summary: dict[str, int], run_dir: str) -> None:

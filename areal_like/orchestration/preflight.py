@@ -21,6 +21,7 @@ from areal_like.orchestration.pools import check_pools, vllm_is_cpu_build
 __all__ = ["resolve_model_path", "check_resources", "check_train_device", "check_listeners", "preflight"]
 
 log = logging.getLogger(__name__)
+_said: set[str] = set()
 
 
 def check_resources(cfg: ExperimentConfig) -> None:
@@ -176,6 +177,9 @@ def preflight(cfg: ExperimentConfig, role: Literal["run", "train", "rollout"], *
     from areal_like.orchestration.run_dir import RunDir, RunDirError, RunFinished
 
     resolve_paths(cfg)  # every relative path absolute, once, before anything starts (§10.12)
+    for line in set(cfg.notes()) - _said:  # the CLI prints them as `note:` lines (§10.41)
+        _said.add(line)
+        log.info("%s", line)
     if role != "train":
         check_user_code(cfg)
         check_model(cfg)

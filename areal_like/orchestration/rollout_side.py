@@ -168,7 +168,7 @@ class RolloutSide:
                 seed=cfg.run.seed,
                 episode_timeout_s=cfg.agent.episode_timeout_s,
                 fail_fast=FailFast.from_config(cfg.agent),
-                grow_groups_to=cfg.staleness.grow_groups_to,
+                grow_groups_to=cfg.group_growth,
             )
             # a death that leaves no server (found by a weight update or the metrics poll) stops
             # the run within a second (the controller's loop looks each second), not at an
