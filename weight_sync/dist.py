@@ -902,12 +902,11 @@ class DistWeightReceiver(WeightReceiver):
         slots = layout.slots
         if shm_path is not None:  # the sender's staging file holds this version until the vote
             try:
-                staged = self._shm.open(shm_path, layout.total_bytes)
+                self._shm.read_into(shm_path, layout.total_bytes, self._flat)
             except OSError as e:  # gone (another host's cleanup, a full tmpfs): take the broadcast from now on
                 self._sees_shm = False
                 raise _ShmUnreadable(f"cannot read the weight sender's staging file ({e}); keeping the old "
                                      f"weights, and taking the broadcast from the next version") from e
-            self._flat.copy_(staged)
             return [layout.slot_digest(self._flat, slot) for slot in slots]
         digests: list[bytes] = []
         in_flight: deque[tuple[Any, int]] = deque()

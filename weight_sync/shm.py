@@ -7,8 +7,9 @@ sender's staging buffer (the snapshot `send` takes) is that file. A receiver tha
 it can read the sender's files (`ShmProbe`: a random token in a file beside them, named
 on the group's store) says so when it announces readiness; when every member of a
 transfer can, the plan names the staging file and no bucket is broadcast. The header,
-the checksum and the commit vote are unchanged: a receiver copies the file into its own
-buffer, verifies every byte against the meta's checksum, and votes (docs/design.md
+the checksum and the commit vote are unchanged: a receiver reads the file into its own
+buffer (`read` calls, not a mapping: mapped pages would count as a second copy of the
+version in the server's resident memory), verifies every byte against the meta's checksum, and votes (docs/design.md
 §10.31). The sender never rewrites the file before the transfer's commit vote has
 completed, so a receiver reads one version only; a receiver that somehow read a torn one
 fails the checksum and keeps its weights.
@@ -23,10 +24,8 @@ broadcast, not a SIGBUS.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import secrets
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -192,35 +191,25 @@ class SenderLane:
 
 
 class ShmReader:
-    """Receiver side: a read-only mapping of the sender's staging file, kept while its
-    path and size stay the same."""
+    """Receiver side: reads the sender's staging file into this side's buffer with
+    `read` calls, never a mapping: a mapping's pages count in this process's resident
+    memory (a second copy of every version), the page cache's do not."""
 
-    def __init__(self) -> None:
-        self.path: str | None = None
-        self._map: mmap.mmap | None = None
-        self.tensor: torch.Tensor | None = None
+    _CHUNK = 64 << 20
 
-    def open(self, path: str, size: int) -> torch.Tensor:
-        if path != self.path or self.tensor is None or self.tensor.numel() < size:
-            self.close()
-            with open(path, "rb") as f:
-                have = os.fstat(f.fileno()).st_size
-                if have < size:
-                    raise OSError(f"{path} holds {have} bytes, the transfer needs {size}")
-                self._map = mmap.mmap(f.fileno(), have, access=mmap.ACCESS_READ) if have else None
-            with warnings.catch_warnings():  # read-only memory: this side only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                self.tensor = (torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None
-                               else torch.empty(0, dtype=torch.uint8))
-            self.path = path
-        return self.tensor[:size]
+    def read_into(self, path: str, size: int, dst: torch.Tensor) -> None:
+        """The first `size` bytes of `path` into the uint8 CPU tensor `dst`."""
+        view = memoryview(dst.numpy()).cast("B")[:size]
+        with open(path, "rb", buffering=0) as f:
+            have = os.fstat(f.fileno()).st_size
+            if have < size:
+                raise OSError(f"{path} holds {have} bytes, the transfer needs {size}")
+            done = 0
+            while done < size:
+                n = f.readinto(view[done:done + self._CHUNK])
+                if not n:
+                    raise OSError(f"{path} ended at byte {done} of {size}")
+                done += n
 
     def close(self) -> None:
-        self.tensor = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view still exported: the mapping goes with its last user
-                pass
-        self._map = None
-        self.path = None
+        """Nothing is held between versions."""

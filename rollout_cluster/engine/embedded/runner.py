@@ -206,10 +206,12 @@ class ModelRunner:
         self._lm_head = self.model.lm_head.weight
 
     def stage(self, named_tensors: NamedTensors) -> Staged:
-        """Check names and shapes and copy the incoming tensors; raises before any change.
+        """Check names and shapes; raises before any change.
 
-        Copying at once matters: weight-sync receivers may reuse their buffers between
-        buckets. Tied embeddings stay tied: `lm_head.weight` and
+        The incoming tensors are referenced, not copied (a copy would hold a third copy
+        of the weights at every update): they must stay unchanged until `apply`, as every
+        receiver's are (a whole version in one buffer, reused at the next version only),
+        and `update_weights` stages and applies in one call. Tied embeddings stay tied: `lm_head.weight` and
         `model.embed_tokens.weight` are the same storage, whichever name arrives. A LoRA
         version's adapter halves arrive as `X.lora_A/B.weight` and stage as the merged
         `X.weight` (`areal_like.models.lora.AdapterMerger`).
@@ -226,7 +228,7 @@ class ModelRunner:
             if isinstance(tensor, MergedWeight):  # computed straight into the weight at `apply`
                 staged.append((dst, tensor))
             else:
-                staged.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype, copy=True)))
+                staged.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype)))
         return staged
 
     def apply(self, staged: Staged) -> None:
