@@ -467,7 +467,16 @@ class ServerWeights:
         """The server manager's restart hook: a fresh server actor in the dead one's bundle,
         serving the version the others serve before it takes any call."""
         self._lagging.discard(name)
-        return await self.pool.restart(name, error, self.version)
+        server = await self.pool.restart(name, error, self.version)
+        # A version may have loaded on the others while it started and copied (seen: v1 copied
+        # while v3 loaded): it must not go into rotation behind them, where every group it
+        # touches is over-stale and the trainer never gets a batch to send a newer version with.
+        async with self._lock:  # between two versions
+            behind = (self.pool.versions.get(name, -1) < self.version
+                      and not await self.pool.copy_version(name, self.version))
+        if behind:  # nothing to copy from: the trainer's next send brings it
+            await self.pool._catch_up(name, self.pool.actors[name], self.version)
+        return server
 
     async def add(self) -> str:
         """One more server (docs/design.md §10.24): started outside the lock (a start takes
