@@ -75,9 +75,9 @@ def _meta(v: int) -> WeightUpdateMeta:
 
 
 async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, reject_rate: float = 0.05, fail_update_at: int = -1,
-               eval_every: int = 4):
+               eval_every: int = 4, first_eval_after: int = 0, fake: FakeRollout | None = None):
     n, gps = 4, 2
-    fake = FakeRollout(seed, fail_rate, reject_rate)
+    fake = fake or FakeRollout(seed, fail_rate, reject_rate)
     gate = StalenessGate(n * gps, eta, max_concurrent=32)
     buf = TrajectoryBuffer(eta)
     inbox: asyncio.Queue = asyncio.Queue()
@@ -98,6 +98,7 @@ async def _run(eta: int, seed: int, steps: int = 12, fail_rate: float = 0.05, re
         eval_every=eval_every,
         seed=seed,
         stats_every_s=0.05,
+        first_eval_after=first_eval_after,
     )
     ctl.announcements.put_nowait(VersionAnnouncement(version=0))
     task = asyncio.create_task(ctl.run())
@@ -155,6 +156,30 @@ def test_evaluations_reported_per_version() -> None:
     assert 0 in versions and 4 in versions
     assert 12 in versions  # the last version's evaluation finishes before the rollout side stops
     assert all(0.0 <= e.eval.accuracy <= 1.0 and e.eval.num_samples == 6 for e in evals)
+
+
+def test_the_start_versions_evaluation_follows_the_first_steps_groups_and_is_scored_on_it_alone() -> None:
+    """#43: the version-0 evaluation never holds up the first train step: its episodes
+    start once the groups of the first step are in (2 groups with signal here). And it is
+    the run's baseline: v1, which the trainer sends as soon as it has that batch, waits
+    for it, so every token it scores comes from v0."""
+
+    class Recording(FakeRollout):
+        def __init__(self) -> None:
+            super().__init__(7, 0.0, 0.0)
+            self.started: list[str] = []
+
+        async def run_episode(self, row, sampling: SamplingParams, eid: str):
+            self.started.append(eid)
+            return await super().run_episode(row, sampling, eid)
+
+    fake = Recording()
+    _, _, _, evals, _ = asyncio.run(_run(2, seed=7, fail_rate=0.0, reject_rate=0.0, first_eval_after=2,
+                                         fake=fake))
+    first_eval = next(i for i, e in enumerate(fake.started) if e.startswith("eval-v0"))
+    assert len({e.rsplit("-", 1)[0] for e in fake.started[:first_eval]}) >= 2  # groups started before it
+    baseline = next(e for e in evals if e.loaded_version == 0)
+    assert baseline.eval.max_token_version == 0
 
 
 @pytest.mark.parametrize(("every", "expected"), [(0, [12]), (5, [0, 5, 10, 12])])

@@ -102,6 +102,8 @@ class RolloutController:
         episode_timeout_s: float = 600.0,
         fail_fast: FailFast | None = None,
         grow_groups_to: int = 0,
+        first_eval_after: int = 0,
+        uniform_filtered: bool = True,
     ) -> None:
         self.gate = gate
         self.source = source
@@ -126,23 +128,23 @@ class RolloutController:
         self.resize_pool = resize_pool
         """Asked for a server count by an announcement: the elastic pool (docs/design.md §10.24)."""
         self.evals = Evaluator(rows=eval_rows or [], every=eval_every, sampling=eval_sampling or sampling, seed=seed,
-                               timeout_s=eval_timeout_s, episodes=self.episodes, report=self._report_eval)
+                               timeout_s=eval_timeout_s, episodes=self.episodes, report=self._report_eval,
+                               first_after=first_eval_after, uniform_filtered=uniform_filtered)
 
     # ---- the schedule ---------------------------------------------------------------
     async def run(self) -> None:
         await self._first_announcement()  # its run, epoch, weight group and weights
         control = asyncio.create_task(self._control_loop(), name="rollout-control")  # announcements → gate, weights
         stats = asyncio.create_task(self._stats_loop(), name="rollout-stats")  # a report every stats_every_s
-        first_eval = True
         try:
             while not self._stop.is_set():
                 admitted = 0
                 while not self._stop.is_set() and not self.weights.awaiting and self.gate.try_admit(self.sizer.size):
                     self._spawn_group(self.source.next(), self.sizer.size)  # n episodes → one TrajectoryGroup → trainer
                     admitted += 1
-                if first_eval:  # after the first groups: the engines serve those first, so the
-                    first_eval = False  # evaluation of the start version never holds up the first step
-                    self.evals.first(self.loaded_version)
+                if admitted:
+                    self.evals.admitted()
+                self.evals.maybe_first(self.loaded_version)
                 if admitted:  # the trainer learns of new groups now, not at the next report
                     await self._report()
                 self._wake.clear()
@@ -194,6 +196,7 @@ class RolloutController:
         # a prompt every sample solves, again and again, may be skipped
         self.source.record(row, [t.reward for t in trajs], n)
         self.sizer.ended(n, [t.reward for t in trajs])
+        self.evals.group_ended([t.reward for t in trajs], n // self.n)
         if epoch != self.follow.epoch:  # the trainer restarted meanwhile: the old epoch's, not counted here
             self.book.delivering.discard(gid)
             return
@@ -244,6 +247,9 @@ class RolloutController:
         await self.hold.follow(ann, before_weights=True)
         meta = ann.weights
         if meta is not None:
+            if meta.version != self.loaded_version and not ann.stop:
+                self.evals.maybe_first(self.loaded_version, due=True)  # scored on the start version alone
+                await self.evals.baseline_ends()
             again = meta.version == self.loaded_version
             version = await self.weights.load(meta)
             if version is not None:

@@ -364,7 +364,8 @@ class Evaluator:
 
     def __init__(self, *, rows: list[dict[str, Any]], every: int, sampling: SamplingParams, seed: int,
                  timeout_s: float, episodes: EpisodeRunner,
-                 report: Callable[[int, EvalResult], Awaitable[None]]) -> None:
+                 report: Callable[[int, EvalResult], Awaitable[None]], first_after: int = 0,
+                 uniform_filtered: bool = True) -> None:
         self.rows = rows
         self.every = every
         self.sampling = sampling
@@ -379,11 +380,51 @@ class Evaluator:
         """Version → the evaluation under way (reported while the run ends)."""
         self.skip = False
         """Ctrl-C on the trainer: no evaluation is waited for."""
+        self.baseline: asyncio.Task[None] | None = None
+        """The start version's evaluation, while a newer version must wait for it."""
+        self.first_after = first_after
+        """Prompts' worth of groups the first train step needs (`train.batch_size`): the start
+        version is evaluated once they are in, so its evaluation never holds up that step."""
+        self.uniform_filtered = uniform_filtered
+        self._trainable = 0
+        self._admitted_at: float | None = None
+        self._first_done = False
+
+    def admitted(self) -> None:
+        """Training groups were admitted (the first time starts the 30 s fallback)."""
+        self._admitted_at = self._admitted_at or time.monotonic()
+
+    def group_ended(self, rewards: list[float], prompts: int) -> None:
+        """A training group ended: one the trainer keeps counts toward the first step."""
+        if len(set(rewards)) > 1 or (rewards and not self.uniform_filtered):
+            self._trainable += prompts
+
+    def maybe_first(self, version: int, due: bool = False) -> None:
+        """The start version is evaluated once the groups of the first train step are in (the
+        engines serve those first; the evaluation's requests then queue ahead of later
+        groups'), when a newer version comes (`due`: it waits for this evaluation), or 30 s
+        after the first groups without them: a base model that rarely succeeds still gets
+        its baseline. Nothing before the first groups are admitted."""
+        if self._first_done or self._admitted_at is None:
+            return
+        if due or self._trainable >= self.first_after or time.monotonic() - self._admitted_at >= 30.0:
+            self._first_done = True
+            self.first(version)
 
     def first(self, version: int) -> None:
         """The version this side starts on is evaluated, whatever its number."""
         if self.every:
             self.start(version)
+            self.baseline = self.tasks[-1] if self.tasks else None
+
+    async def baseline_ends(self) -> None:
+        """A newer version waits (≤ `timeout_s`) for the start version's evaluation, so the
+        run's baseline is scored on its own weights only. It started once the first step's
+        groups were in, so this holds a version back a few seconds at most."""
+        if self.baseline is not None and not self.baseline.done():
+            log.info("the next weights wait for the start version's evaluation to end")
+            await asyncio.wait([self.baseline], timeout=self.timeout_s)
+        self.baseline = None
 
     def loaded(self, version: int, again: bool) -> None:
         if self.every and version % self.every == 0 and not again:
@@ -399,9 +440,10 @@ class Evaluator:
 
     async def _evaluate(self, version: int) -> None:
         progress = self._progress[version] = EvalProgress(version=version, done=0, total=len(self.rows))
-        # The start version's evaluation is the run's baseline: it goes with the first groups, so it
-        # ends before the first update. Later ones take the slots training episodes leave
-        # (`SamplingParams.priority`); an update that lands meanwhile shows in `max_token_version`.
+        # The start version's evaluation is the run's baseline: it starts once the first step's groups
+        # are in and queues ahead of later groups, so it mostly ends before the first update. Later
+        # ones take the slots training episodes leave (`SamplingParams.priority`); an update that
+        # lands meanwhile shows in `max_token_version`.
         priority = 0 if not self._evaluated - {version} else 1
         newest = [version]
 

@@ -169,6 +169,8 @@ class RolloutSide:
                 episode_timeout_s=cfg.agent.episode_timeout_s,
                 fail_fast=FailFast.from_config(cfg.agent),
                 grow_groups_to=cfg.group_growth,
+                first_eval_after=cfg.train.batch_size,
+                uniform_filtered=cfg.staleness.filter_uniform_groups,
             )
             # a death that leaves no server (found by a weight update or the metrics poll) stops
             # the run within a second (the controller's loop looks each second), not at an
