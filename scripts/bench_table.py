@@ -84,14 +84,22 @@ def benchmarks(root: Path = ROOT) -> list[str]:
     return sorted(p.stem for p in (root / "bench").glob("*.py") if not p.name.startswith("_"))
 
 
-def last_record(results: Path, name: str) -> dict[str, Any] | None:
-    """The last real record of `name`, or None: not a smoke run, and not one run beside a
-    load it made itself (`background_cores`: the bench's own CPU monitor counts that load
-    as its own, so the row would call a loaded machine quiet; its prose section has it)."""
+def workload(rec: dict[str, Any]) -> str | None:
+    """The config a record ran (`--config X` in its command), None for the default: a
+    benchmark run on several (the toy and a real model) gets a row for each."""
+    words = str(rec.get("command", "")).split()
+    return words[words.index("--config") + 1] if "--config" in words[:-1] else None
+
+
+def last_records(results: Path, name: str) -> list[dict[str, Any] | None]:
+    """The last real record of `name` for each workload, the default's first; [None] when
+    there is none. Real: not a smoke run, and not one run beside a load it made itself
+    (`background_cores`: the bench's own CPU monitor counts that load as its own, so the row
+    would call a loaded machine quiet; its prose section has it)."""
     path = results / f"{name}.jsonl"
     if not path.is_file():
-        return None
-    found = None
+        return [None]
+    found: dict[str | None, dict[str, Any]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -100,8 +108,9 @@ def last_record(results: Path, name: str) -> dict[str, Any] | None:
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}:{n}: not JSON: {e}") from None
         if not rec.get("smoke") and not rec.get("background_cores"):
-            found = rec
-    return found
+            found[workload(rec)] = rec
+    default = found.pop(None, None)
+    return [default, *found.values()] if default or not found else list(found.values())
 
 
 def lookup(rec: Any, path: str) -> list[tuple[str, Any]]:
@@ -151,6 +160,8 @@ def cell(text: str) -> str:
 def row(name: str, rec: dict[str, Any] | None, doc: str) -> str:
     title, keys, command, where = HEADLINES.get(name, (name, [], f"python bench/{name}.py", None))
     where = where or section(doc, name)
+    if rec is not None and workload(rec):
+        title = f"{title}: {workload(rec)}"
     if rec is None:
         see = f": see [details]({where})" if where else ""
         return f"| {cell(title)} | {NOT_MEASURED}{see} | `{cell(command)}` | — | — | — |"
@@ -171,7 +182,7 @@ def row(name: str, rec: dict[str, Any] | None, doc: str) -> str:
 def table(doc: str, results: Path, root: Path = ROOT) -> str:
     lines = ["| benchmark | headline (JSON keys) | command | commit | date (UTC) | other cores |",
              "| --- | --- | --- | --- | --- | --- |"]
-    lines += [row(name, last_record(results, name), doc) for name in benchmarks(root)]
+    lines += [row(name, rec, doc) for name in benchmarks(root) for rec in last_records(results, name)]
     return "\n".join(lines)
 
 

@@ -143,3 +143,11 @@ def test_bench_table_shows_the_last_real_record(tmp_path: Path) -> None:
     assert "not re-measured" in next(line for line in doc.read_text().splitlines()
                                      if line.startswith("| async vs sync |"))
     assert _bench_table("--doc", str(doc), "--results", str(results), "--check").returncode == 0
+    # a benchmark run on another config (the real model) adds a row; the default's stays
+    start = {**base, "smoke": False, "first_step_s": 3.1, "command": "python bench/startup.py --repeats 3"}
+    real = {**start, "first_step_s": 32.7, "command": "python bench/startup.py --config configs/smollm2.yaml"}
+    (results / "startup.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (start, real)))
+    assert _bench_table("--doc", str(doc), "--results", str(results)).returncode == 0
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| start-up") and "`first_step_s`" in line]
+    assert len(rows) == 2 and "**3.1**" in rows[0] and rows[1].startswith("| start-up: configs/smollm2.yaml |")
+    assert "**32.7**" in rows[1], rows
