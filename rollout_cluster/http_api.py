@@ -308,13 +308,16 @@ class HttpServer:
                 code="model_not_found",
             )
 
-    def _sampling(self, body: dict[str, Any]) -> SamplingParams:
-        """The request's sampling with the server's stop ids added (the class docstring)."""
+    def _sampling(self, body: dict[str, Any], chat: bool = False) -> SamplingParams:
+        """The request's sampling with the server's stop ids added (the class docstring); a
+        chat turn also ends at the token with which the chat template ends a turn."""
+        from areal_like.models.fetch import end_of_turn_ids
+
         params = sampling_from_openai(body)
         tok = self.server.tokenizer
-        eos = None if params.ignore_eos or tok is None else tok.eos_token_id
+        eos = () if params.ignore_eos or tok is None else (tok.eos_token_id, *(end_of_turn_ids(tok) if chat else ()))
         stop = list(params.stop_token_ids)
-        stop += [t for t in dict.fromkeys((*self.stop_token_ids, *(() if eos is None else (eos,)))) if t not in stop]
+        stop += [t for t in dict.fromkeys((*self.stop_token_ids, *eos)) if t is not None and t not in stop]
         return params.model_copy(update={"stop_token_ids": stop}) if stop != params.stop_token_ids else params
 
     def _tokenizer(self) -> Any:
@@ -424,7 +427,7 @@ class HttpServer:
 
         body = await self._json(request)
         self._check_model(body)
-        params = self._sampling(body)
+        params = self._sampling(body, chat=True)
         opts = output_options(body, chat=True)
         messages = normalize_messages(body.get("messages"))
         tools, parse_calls = chat_tools(body)

@@ -35,19 +35,29 @@ RESPONSE_LENGTH = 6
 @pytest.fixture(scope="module")
 def eot_model(tmp_path_factory) -> tuple[Path, int, int, int]:
     """(folder, eos id, end-of-turn id, vocabulary size)."""
+    return _build(tmp_path_factory.mktemp("eot_model"), listed=True)
+
+
+@pytest.fixture(scope="module")
+def eot_unlisted_model(tmp_path_factory) -> tuple[Path, int, int, int]:
+    """The same model as a GGUF conversion often leaves it: its config and generation config
+    name the plain eos only; the chat template alone says where a turn ends."""
+    return _build(tmp_path_factory.mktemp("eot_unlisted"), listed=False)
+
+
+def _build(out: Path, listed: bool) -> tuple[Path, int, int, int]:
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     from areal_like.models.tiny_model import IM_END, build_tokenizer, tiny_qwen2_config
 
-    out = tmp_path_factory.mktemp("eot_model")
     tok = build_tokenizer()
     tok.add_special_tokens({"eos_token": "</s>"})  # the eos is no longer the end of a turn
     eos, eot = tok.eos_token_id, tok.convert_tokens_to_ids(IM_END)
     assert eos != eot
     cfg = tiny_qwen2_config(len(tok), tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2)
-    cfg.eos_token_id = [eos, eot]
+    cfg.eos_token_id = [eos, eot] if listed else eos
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # column 0 dominates every residual: its entries are the logits' bias
@@ -55,14 +65,17 @@ def eot_model(tmp_path_factory) -> tuple[Path, int, int, int]:
         w[:, 0] = 8.0
         w[eot, 0] += 0.6  # about 0.2 of the mass
         w[eos, 0] -= 3.0  # never
-    model.generation_config = GenerationConfig(eos_token_id=[eos, eot], pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(eos_token_id=[eos, eot] if listed else eos,
+                                               pad_token_id=tok.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out, eos, eot, len(tok)
 
 
-def test_each_sample_record_names_the_token_that_stopped_it(eot_model, tmp_path) -> None:
-    folder, _eos, eot, _ = eot_model
+@pytest.mark.parametrize("model", ["eot_model", "eot_unlisted_model"])
+def test_each_sample_record_names_the_token_that_stopped_it(model, request, tmp_path) -> None:
+    """Listed in the generation config or not, an answer stops at the template's end of turn."""
+    folder, _eos, eot, _ = request.getfixturevalue(model)
     run_dir = tmp_path / "run"
     sets = [f"model.path={folder}", f"run.dir={run_dir}", "train.total_steps=2", "train.batch_size=2",
             "rollout.group_size=4", f"rollout.response_length={RESPONSE_LENGTH}", "dataset.form=single_turn",
@@ -144,6 +157,27 @@ def test_serve_stops_at_the_configs_stop_ids_and_at_the_requests(eot_model) -> N
         assert any(c["stop_token_id"] == eot for c in choices), choices  # and the model's end of turn
         both = _complete(url, **body, stop_token_ids=rest)  # every id now stops: one token each
         assert all(len(c["token_ids"]) == 1 and c["stop_token_id"] == c["token_ids"][0] for c in both), both
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_serve_ends_a_chat_turn_where_the_template_does(eot_unlisted_model) -> None:
+    """The folder names the plain eos only: a chat completion still stops at the template's
+    end of turn (a plain completion, rendered without the template, does not)."""
+    folder, _eos, eot, _ = eot_unlisted_model
+    proc, url = _serve(folder)
+    try:
+        body = dict(messages=[{"role": "user", "content": "12+30="}], max_tokens=RESPONSE_LENGTH, n=16,
+                    temperature=1.0, seed=5)
+        req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            choices = json.loads(resp.read())["choices"]
+        stopped = [c for c in choices if c["finish_reason"] == "stop"]
+        assert stopped and all(c["stop_token_id"] == eot for c in stopped), choices
+        plain = _complete(url, prompt="12+30=", max_tokens=RESPONSE_LENGTH, n=16, temperature=1.0, seed=5)
+        assert all(c["stop_token_id"] != eot for c in plain), plain
     finally:
         proc.kill()
         proc.wait(timeout=30)

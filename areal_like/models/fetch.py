@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KNOWN_MODELS", "ModelFetchError", "cache_root", "cached_folder", "end_of_turn_tokens", "fetch",
+__all__ = ["KNOWN_MODELS", "ModelFetchError", "cache_root", "cached_folder", "end_of_turn_ids", "end_of_turn_tokens", "fetch",
            "import_gguf", "is_known"]
 
 _DONE = ".areal_like_model"
@@ -142,6 +142,18 @@ def fetch(name: str, *, log: Any = print, timeout_s: float = 900.0) -> Path:
                 shutil.rmtree(final)
             out.rename(final)
     return final
+
+
+_EOT: dict[int, tuple[Any, tuple[int, ...]]] = {}
+"""id(tokenizer) -> (tokenizer, `end_of_turn_tokens`): rendered once per tokenizer."""
+
+
+def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
+    """`end_of_turn_tokens`, rendered once per tokenizer object (every turn's sampling asks)."""
+    hit = _EOT.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = _EOT[id(tokenizer)] = (tokenizer, tuple(end_of_turn_tokens(tokenizer)))
+    return hit[1]
 
 
 def end_of_turn_tokens(tokenizer: Any) -> list[int]:

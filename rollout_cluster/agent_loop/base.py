@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from areal_like.core.config import AgentConfig
 from areal_like.core.types import AgentLoopOutput, SamplingParams
+from areal_like.models.fetch import end_of_turn_ids
 from rollout_cluster.agent_loop.chat import ChatTemplate
 from rollout_cluster.tool_parser import ToolParser, get_tool_parser
 from rollout_cluster.tools.base import BaseTool
@@ -85,11 +86,13 @@ class AgentLoopBase(ABC):
         )
 
     def turn_params(self, sampling_params: SamplingParams, remaining: int) -> SamplingParams:
-        """This turn's sampling: at most `remaining` budget tokens, stopping at end-of-turn."""
+        """This turn's sampling: at most `remaining` budget tokens, stopping at end-of-turn:
+        the tokenizer's eos and the token with which its chat template ends an assistant
+        turn (every prompt here is rendered with it), whatever the generation config says."""
         stop = list(sampling_params.stop_token_ids)
-        eos = self.tokenizer.eos_token_id
-        if eos is not None and eos not in stop:
-            stop.append(eos)
+        for tid in (self.tokenizer.eos_token_id, *end_of_turn_ids(self.tokenizer)):
+            if tid is not None and tid not in stop:
+                stop.append(tid)
         return sampling_params.model_copy(
             update={"max_tokens": max(1, min(sampling_params.max_tokens, remaining)), "stop_token_ids": stop}
         )
