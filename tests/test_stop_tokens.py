@@ -45,7 +45,8 @@ def eot_unlisted_model(tmp_path_factory) -> tuple[Path, int, int, int]:
     return _build(tmp_path_factory.mktemp("eot_unlisted"), listed=False)
 
 
-def _build(out: Path, listed: bool) -> tuple[Path, int, int, int]:
+def _build(out: Path, listed: bool, hidden: int = 32) -> tuple[Path, int, int, int]:
+    """`hidden` 128 gives heads of 32 (vLLM's CPU attention takes no smaller)."""
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
@@ -55,7 +56,7 @@ def _build(out: Path, listed: bool) -> tuple[Path, int, int, int]:
     tok.add_special_tokens({"eos_token": "</s>"})  # the eos is no longer the end of a turn
     eos, eot = tok.eos_token_id, tok.convert_tokens_to_ids(IM_END)
     assert eos != eot
-    cfg = tiny_qwen2_config(len(tok), tok, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = tiny_qwen2_config(len(tok), tok, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2)
     cfg.eos_token_id = [eos, eot] if listed else eos
     torch.manual_seed(0)

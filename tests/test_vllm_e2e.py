@@ -264,3 +264,25 @@ def test_failed_weight_receive_leaves_vllm_serving_its_version(vllm_engine, weig
     assert outcome == v + 1 == eng.version, outcome
     h.weights[v + 1] = good
     assert all(h.audit(p, r) < TOL for p, r in zip(prompts, results, strict=True))
+
+
+@pytest.mark.slow
+def test_a_chat_turn_on_vllm_ends_at_the_templates_end_of_turn(tmp_path) -> None:
+    """#46: a folder whose config names only the plain eos (`</s>`) while its chat template
+    ends a turn with `<|im_end|>`: on vLLM too, an answer stops at `<|im_end|>`, and its
+    record says so (`stop_token_id`); one cut by the length limit says null."""
+    from tests.test_stop_tokens import _build
+
+    folder, _eos, eot, _ = _build(tmp_path / "eot", listed=False, hidden=128)
+    run = _Run(tmp_path, f"model.path={folder}", "train.total_steps=2", "train.batch_size=2",
+               "rollout.group_size=4", "rollout.response_length=6", "dataset.form=single_turn",
+               "agent.default_loop=single_turn", "staleness.filter_uniform_groups=false",
+               "run.record_trajectories=true", "eval.every_n_steps=0")
+    rc = run.wait(480)
+    assert rc == 0, run.output()[-4000:]
+    trajs = read_jsonl(run.dir / "trajectories.jsonl")
+    stopped = [t for t in trajs if not t["truncated"]]
+    assert stopped, [(t["response_ids"], t["stop_token_id"]) for t in trajs]
+    for t in stopped:
+        assert t["stop_token_id"] == eot == t["response_ids"][-1] and eot not in t["response_ids"][:-1], t
+    assert all(t["stop_token_id"] is None for t in trajs if t["truncated"])
