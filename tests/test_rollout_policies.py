@@ -356,6 +356,9 @@ class _FakePool:
         self.restarted: list[tuple[str, int]] = []
         self.dead: set[str] = set()
         """Servers whose process is gone: `gone` (a metrics call) fails for them."""
+        self.versions: dict[str, int] = {}
+        self.copied: list[tuple[str, int]] = []
+        self.during_restart: Any = None
 
     async def gone(self, name: str) -> BaseException | None:
         from areal_like.launcher import ActorDied
@@ -372,7 +375,16 @@ class _FakePool:
 
     async def restart(self, name: str, error: BaseException, version: int) -> str:
         self.restarted.append((name, version))
+        self.versions[name] = version
+        if self.during_restart is not None:
+            await self.during_restart()
         return self._adapter(name)
+
+    async def copy_version(self, name: str, version: int) -> bool:
+        """A live sibling serves `version`: copied."""
+        self.copied.append((name, version))
+        self.versions[name] = version
+        return True
 
 
 class _FakeManager:
@@ -413,6 +425,30 @@ def test_a_server_that_misses_a_version_leaves_rotation_until_it_catches_up(capl
         assert pool.restarted == [("c", 2)]  # a restarted server serves what the others serve
         pool.results = {"a": 0}
         assert await w.apply(_meta(0, epoch=1)) == 0  # a resumed trainer's numbers start again
+
+    asyncio.run(main())
+
+
+def test_a_restarted_server_catches_up_with_a_version_that_loaded_while_it_started() -> None:
+    """Seen in the suite: a restarted server copied v1 while the others loaded v3, went into
+    rotation behind them, and every group it touched was over-stale. It now catches up,
+    between two versions, before it takes a call."""
+    from areal_like.orchestration.server_pool import ServerWeights
+
+    async def main() -> None:
+        pool, manager = _FakePool(), _FakeManager(["a", "b"])
+        w = ServerWeights(pool)  # type: ignore[arg-type]
+        w.manager = manager
+        pool.results = {"a": 1, "b": 1}
+        assert await w.apply(_meta(1)) == 1
+
+        async def v3_loads_meanwhile() -> None:
+            pool.results = {"a": 3}
+            assert await w.apply(_meta(3)) == 3
+
+        pool.during_restart = v3_loads_meanwhile
+        await w.restart("b", RuntimeError("dead"))
+        assert pool.restarted == [("b", 1)] and pool.copied == [("b", 3)] and pool.versions["b"] == 3
 
     asyncio.run(main())
 

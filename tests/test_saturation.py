@@ -98,7 +98,7 @@ def test_mostly_uniform_rewards_grown_groups_waste_less_and_fill_every_batch(tin
     reward = tmp_path / "mostly_one.py"
     reward.write_text("import random\n\ndef score(sample, output):\n    return float(random.random() < 0.95)\n")
     ratios = {}
-    for name, sets in (("plain", []), ("grown", ["staleness.grow_groups_to=16"])):
+    for name, sets in (("plain", ["staleness.grow_groups_to=0"]), ("grown", ["staleness.grow_groups_to=16"])):
         recs = _run(tiny_model_dir, tmp_path / name, reward, *sets)
         steps = [r for r in recs if r["kind"] == "train_step"]
         summary = next(r for r in recs if r["kind"] == "summary")
