@@ -9,8 +9,8 @@ on the group's store) says so when it announces readiness; when every member of 
 transfer can, the plan names the staging file and no bucket is broadcast. The header,
 the checksum and the commit vote are unchanged: a receiver reads the file into its own
 buffer (`read` calls, not a mapping: mapped pages would count as a second copy of the
-version in the server's resident memory), verifies every byte against the meta's checksum, and votes (docs/design.md
-§10.31). The sender never rewrites the file before the transfer's commit vote has
+version in the server's resident memory), verifies every byte against the meta's
+checksum, and votes (docs/design.md §10.31). The sender never rewrites the file before the transfer's commit vote has
 completed, so a receiver reads one version only; a receiver that somehow read a torn one
 fails the checksum and keeps its weights.
 
