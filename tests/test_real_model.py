@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+
+from tests._serve import start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -68,30 +68,14 @@ def test_recipe_runs_with_template_prompts_and_passes_audit(smollm2: Path, tmp_p
 
 def test_serve_on_the_fetched_model_answers_the_openai_sdk(smollm2: Path) -> None:
     openai = pytest.importorskip("openai")
-    proc = subprocess.Popen([*CLI, "serve", "configs/smollm2.yaml", "--port", "0"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    found: queue.Queue[str] = queue.Queue()
-    lines: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"base_url: (http://\S+/v1)", line)
-            if m:
-                found.put(m.group(1))
-
-    threading.Thread(target=pump, daemon=True).start()
+    proc, base_url = start_serve([*CLI, "serve", "configs/smollm2.yaml", "--port", "0"], ROOT, ENV, timeout=300)
     try:
-        base_url = found.get(timeout=300)
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(model=model, max_tokens=16, temperature=0,
                                                messages=[{"role": "user", "content": "What is 2 + 3?"}])
         assert reply.choices[0].message.content
         assert reply.choices[0].finish_reason in ("stop", "length")
-    except queue.Empty:
-        pytest.fail("serve printed no URL:\n" + "".join(lines)[-3000:])
     finally:
         proc.kill()
         proc.wait(timeout=30)

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import pytest
 
 from areal_like.core.types import Trajectory
 from areal_like.core.wire import decode, encode
+from tests._serve import start_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "areal_like.orchestration.cli"]
@@ -108,25 +106,7 @@ def test_the_stop_token_travels_on_the_wire_and_old_records_load() -> None:
 
 def _serve(folder: Path, *sets: str) -> tuple[subprocess.Popen[str], str]:
     args = [a for s in (f"model.path={folder}", *sets) for a in ("--set", s)]
-    proc = subprocess.Popen([*CLI, "serve", "configs/quickstart.yaml", "--port", "0", *args], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    found: queue.Queue[str] = queue.Queue()
-    lines: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"base_url: (http://\S+/v1)", line)
-            if m:
-                found.put(m.group(1))
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        return proc, found.get(timeout=120)
-    except queue.Empty:
-        proc.kill()
-        pytest.fail("areal-like serve printed no URL:\n" + "".join(lines)[-3000:])
+    return start_serve([*CLI, "serve", "configs/quickstart.yaml", "--port", "0", *args], ROOT, ENV)
 
 
 def _complete(url: str, **body) -> list[dict]:
