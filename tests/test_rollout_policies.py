@@ -294,15 +294,16 @@ def test_evaluations_run_per_version_once_and_report_accuracy() -> None:
     async def main() -> list:
         ev, results = _evaluator(rows)
         ev.first(3)  # the starting version, whatever its number
-        ev.loaded(3, again=False)  # not a multiple of every=2
-        ev.loaded(4, again=True)  # a resend of a version already loaded
-        ev.loaded(4, again=False)
+        ev.loaded(4, previous=3)
+        ev.loaded(4, previous=4)  # a resend of a version already loaded
+        ev.loaded(5, previous=4)  # not a multiple of every=2
+        ev.loaded(7, previous=5)  # 6 was skipped (updates queued behind a slow one): 7 stands for it
         ev.start(4)  # already evaluated
         await asyncio.gather(*ev.tasks)
         return results
 
     results = asyncio.run(main())
-    assert [v for v, _ in results] == [3, 4]
+    assert [v for v, _ in results] == [3, 4, 7]
     assert all(r.accuracy == 0.5 and r.num_samples == 4 for _, r in results)
 
 

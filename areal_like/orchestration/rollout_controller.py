@@ -250,10 +250,10 @@ class RolloutController:
             if meta.version != self.loaded_version and not ann.stop:
                 self.evals.maybe_first(self.loaded_version, due=True)  # scored on the start version alone
                 await self.evals.baseline_ends()
-            again = meta.version == self.loaded_version
+            previous = self.loaded_version
             version = await self.weights.load(meta)
             if version is not None:
-                self.evals.loaded(version, again)
+                self.evals.loaded(version, previous)
         await self.hold.follow(ann, before_weights=False)
         if ann.stop:
             if ann.end is not None and ann.end.final_eval:

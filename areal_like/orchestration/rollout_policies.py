@@ -426,8 +426,11 @@ class Evaluator:
             await asyncio.wait([self.baseline], timeout=self.timeout_s)
         self.baseline = None
 
-    def loaded(self, version: int, again: bool) -> None:
-        if self.every and version % self.every == 0 and not again:
+    def loaded(self, version: int, previous: int) -> None:
+        """Every `every`-th version is evaluated or, where this side skipped it (updates queued
+        behind a slow one load only the newest), the first version loaded past it."""
+        if self.every and version != previous and (
+                version % self.every == 0 or version // self.every > previous // self.every):
             self.start(version)
 
     def start(self, version: int) -> None:
