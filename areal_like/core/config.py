@@ -627,7 +627,9 @@ class MetricsConfig(_Section):
 
 class EvalConfig(_Section):
     every_n_steps: int = Field(0, ge=0)
-    """Evaluate the held-out split every N steps (0 = only at the end)."""
+    """Evaluate the held-out split every N steps (0 = only at the end), with the first
+    version the rollout side loads at or past each multiple of N (it skips to the newest
+    weights when updates queue up)."""
     num_samples: int = Field(128, ge=1)
     """Held-out problems per evaluation."""
     temperature: float = Field(1.0, gt=0.0)
