@@ -1,20 +1,19 @@
-"""The TRL side of bench/vs_trl.py: TRL's `GRPOTrainer` on the quickstart task.
+"""The TRL side of bench/vs_trl.py: TRL's `GRPOTrainer` on the workload's task.
 
-Run by bench/vs_trl.py in `.venv-trl` (bench/setup_trl.sh). Same model (the committed
-warm-started quickstart checkpoint), same data rows, same reward
-(`arithmetic_reward` on the last assistant message), same calculator, same budget
-(8 prompts x 8 samples per step, 48 response tokens including the tool answer, at
-most 2 assistant turns), same optimiser settings as configs/quickstart.yaml.
+Run by bench/vs_trl.py in `.venv-trl` (bench/setup_trl.sh). Same model, same data rows,
+same reward (the config's `agent.reward` on the last assistant message), same budget
+(prompts x samples per step, response tokens, assistant turns), same optimiser settings
+and learning-rate schedule as the config (`--config`, with `--set` overrides).
 
-TRL runs the tool form through its own tool loop (`tools=[calculator]`): it needs a
-`response_template` on the tokenizer to parse our hermes calls, set here (the
-committed tokenizer is left alone). Every optimiser step saves the weights with a
-timestamp to `OUT/ckpt/step{N}.safetensors` and a line to `OUT/steps.jsonl`, so
-the bench can evaluate the checkpoints afterwards with the same held-out evaluator
-as ours.
+The tool form (the quickstart) runs through TRL's own tool loop (`tools=[calculator]`): it
+needs a `response_template` on the tokenizer to parse our hermes calls, set here (the
+committed tokenizer is left alone). Every `--save-every`-th optimiser step saves the weights
+to `OUT/ckpt/step{N}.safetensors`; every step writes a line with its time to
+`OUT/steps.jsonl`, so the bench can evaluate the checkpoints afterwards with the same
+held-out evaluator as ours.
 
-    python bench/_trl_contender.py --out DIR [--max-steps 200] [--max-seconds 900]
-        [--threads 2] [--stop-reward 0.93] [--extra-steps 10] [--form tool]
+    python bench/_trl_contender.py --out DIR --config CONFIG [--set KEY=VALUE] [--max-steps 200]
+        [--max-seconds 900] [--threads 2] [--stop-reward 0.93] [--extra-steps 10] [--save-every 1]
 """
 
 from __future__ import annotations
@@ -76,18 +75,28 @@ def final_text(completion: Any) -> str:
     return ""
 
 
-def arithmetic(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
-    """Our arithmetic reward, in TRL's reward-function shape."""
-    from areal_like.tasks.arithmetic import arithmetic_reward
+def reward_func(name: str) -> Any:
+    """Our reward `name` (the config's `agent.reward`), in TRL's reward-function shape."""
+    from types import SimpleNamespace
 
-    return [arithmetic_reward({"answer": a}, final_text(c)) for c, a in zip(completions, answer, strict=True)]
+    from rollout_cluster.rewards import BUILTIN_REWARDS
+
+    fn = BUILTIN_REWARDS[name]
+
+    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        return [fn({"answer": a}, SimpleNamespace(final_text=final_text(c)))
+                for c, a in zip(completions, answer, strict=True)]
+
+    reward.__name__ = name
+    return reward
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="configs/quickstart.yaml")
-    ap.add_argument("--form", choices=["tool", "single_turn"], default="tool")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    ap.add_argument("--save-every", type=int, default=1, help="save every N-th step's weights")
     ap.add_argument("--max-steps", type=int, default=200)
     ap.add_argument("--max-seconds", type=float, default=900.0)
     ap.add_argument("--threads", type=int, default=2)
@@ -103,7 +112,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from datasets import Dataset
     from safetensors.torch import save_file
-    from transformers import Qwen2ForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from areal_like.core.config import load_config
@@ -122,19 +131,20 @@ def main() -> None:
 
     t0 = time.time()  # after imports: what follows is setup + training
     emit({"kind": "start", "time": t0, "threads": args.threads, "torch": torch.__version__})
-    cfg = load_config(args.config, [f"dataset.form={args.form}"])
+    cfg = load_config(args.config, args.set)
+    tool_form = cfg.dataset.form == "tool"
     model_path = resolve_model_path(cfg)
     tokenizer = load_tokenizer(model_path, hf=True)  # GRPOTrainer requires transformers' class
-    if args.form == "tool":
+    if tool_form:
         tokenizer.response_template = RESPONSE_TEMPLATE
-    model = Qwen2ForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     rows = load_rows(cfg.dataset, "train", cfg.run.seed)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
     g, b = cfg.rollout.group_size, cfg.train.batch_size
     targs = GRPOConfig(
         output_dir=str(out / "trl_output"),
-        per_device_train_batch_size=g * b,  # completions per step: 8 prompts x 8 samples
+        per_device_train_batch_size=g * b,  # completions per step: prompts x samples
         num_generations=g,
         gradient_accumulation_steps=1,
         num_iterations=1,
@@ -144,8 +154,8 @@ def main() -> None:
         top_p=1.0,
         top_k=0,
         learning_rate=args.lr if args.lr is not None else cfg.train.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type=cfg.train.lr_schedule,  # over max_steps, as ours over train.total_steps
+        warmup_steps=cfg.train.warmup_steps,
         weight_decay=cfg.train.weight_decay,
         adam_beta1=cfg.train.betas[0],
         adam_beta2=cfg.train.betas[1],
@@ -175,11 +185,14 @@ def main() -> None:
 
         def on_step_end(self, a: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             now = time.time()
-            m = model if model is not None else trainer.model
-            # clone: tied embeddings share storage, which safetensors refuses to save
-            sd = {k: v.detach().clone().contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}
-            save_file(sd, str(out / "ckpt" / f"step{state.global_step}.safetensors"))
-            emit({"kind": "step", "step": state.global_step, "time": now})
+            path = None
+            if state.global_step % args.save_every == 0:
+                m = model if model is not None else trainer.model
+                # clone: tied embeddings share storage, which safetensors refuses to save
+                sd = {k: v.detach().clone().contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}
+                path = str(out / "ckpt" / f"step{state.global_step}.safetensors")
+                save_file(sd, path)
+            emit({"kind": "step", "step": state.global_step, "time": now, "path": path})
             if now - t0 > args.max_seconds:
                 print(f"[trl] wall budget {args.max_seconds:.0f}s spent at step {state.global_step}", flush=True)
                 control.should_training_stop = True
@@ -204,11 +217,11 @@ def main() -> None:
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[arithmetic],
+        reward_funcs=[reward_func(cfg.agent.reward)],
         args=targs,
         train_dataset=dataset,
         processing_class=tokenizer,
-        tools=[calculator] if args.form == "tool" else None,
+        tools=[calculator] if tool_form else None,
         callbacks=[Recorder()],
     )
     emit({"kind": "ready", "time": time.time()})

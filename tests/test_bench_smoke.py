@@ -96,6 +96,22 @@ def test_bench_smoke(script: str, tmp_path: Path) -> None:
         assert all(isinstance(x, (int, float)) and x > 0 for x in rec["ours_median_step_s"]), rec["ours_median_step_s"]
 
 
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
+def test_vs_trl_runs_the_real_recipes_workload(tmp_path: Path) -> None:
+    """#44 item 4: `--workload smollm2` runs the real recipe's settings (on the quickstart
+    model in a smoke: nothing to fetch), both contenders saving every 2nd step."""
+    env = {**os.environ, "AREAL_BENCH_SMOKE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    p = _run([sys.executable, "bench/vs_trl.py", "--workload", "smollm2", "--smoke"], env, SMOKE_TIMEOUT_S)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rec = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rec["workload"] == "smollm2" and rec["form"] == "chat", rec
+    s = rec["settings"]
+    assert (s["prompts_per_step"], s["samples_per_prompt"], s["response_length"], s["save_every"]) == (4, 4, 16, 2)
+    assert "configs/smollm2.yaml" in s["ours"] and "cosine" in s["ours"], s["ours"]
+    assert all(isinstance(x, (int, float)) and x > 0 for x in rec["ours_median_step_s"]), rec["ours_median_step_s"]
+    assert [c["step"] for c in rec["runs"][0]["ours"]["eval_curve"]] == [2]  # saved every 2nd step
+
+
 @pytest.mark.timeout(180)
 def test_weight_sync_fails_fast_with_the_receivers_error(tmp_path: Path) -> None:
     """A receiver that dies before the rendezvous used to leave the parent waiting 120 s."""

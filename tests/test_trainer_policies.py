@@ -193,6 +193,20 @@ def test_publishing_announces_the_version_and_waits_for_the_previous_broadcast(t
     assert feed.in_flight is None and feed.end_transfer() is None
 
 
+def test_weights_are_recorded_every_nth_version_when_asked(tmp_path) -> None:
+    """`run.record_weights_every`: at 135M a version is 538 MB, and a benchmark that scores
+    checkpoints afterwards keeps every N-th (v0 always)."""
+    trainer, weights = _Trainer(1), _Weights()
+    feed, _ = _feed(tmp_path, trainer, weights, ReportLog(), "run.record_weights=true", "run.record_weights_every=2")
+    recorded: list[int] = []
+    feed.run_dir.record_weights = lambda v, source, path: recorded.append(v)  # type: ignore[method-assign]
+    feed.record(0)
+    for v in (1, 2, 3, 4):
+        trainer.version = v
+        feed.publish()
+    assert recorded == [0, 2, 4]
+
+
 def test_a_rollout_side_more_than_eta_behind_gets_the_weights_again(tmp_path, caplog) -> None:
     trainer, weights, reports = _Trainer(5), _Weights(), ReportLog()
     feed, announced = _feed(tmp_path, trainer, weights, reports, "staleness.max_staleness=1",

@@ -78,6 +78,10 @@ class RunConfig(_Section):
     """Write every trained trajectory to `trajectories.jsonl` (needed by `audit`)."""
     record_weights: bool = False
     """Write the HF weights of every version the engines loaded to `weights/v{N}/`."""
+    record_weights_every: int = Field(1, ge=1)
+    """With `record_weights`: only every N-th version (and v0), as disk allows at real sizes
+    (538 MB a version at 135M). `audit` checks the tokens of the versions recorded and
+    lists the others as missing."""
     checkpoint_every_n_steps: int = Field(50, ge=1)
     """Save a resumable checkpoint every N train steps (and at the end)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -189,8 +189,10 @@ class WeightFeed:
         self.fed_at = time.time()
 
     def record(self, v: int) -> None:
-        """`weights/v{v}/`: the trainer writes them (its train ranks), never through here."""
-        self.run_dir.record_weights(v, self.trainer, self.model_path)
+        """`weights/v{v}/` (every `run.record_weights_every`-th version): the trainer writes
+        them (its train ranks), never through here."""
+        if self.cfg.run.record_weights and v % self.cfg.run.record_weights_every == 0:
+            self.run_dir.record_weights(v, self.trainer, self.model_path)
 
     def send(self, version: int) -> WeightUpdateMeta:
         """Hand the trainer's current weights to the transport as `version`
@@ -209,8 +211,7 @@ class WeightFeed:
             meta = self.send(new_v)
             self.sent_at = time.time()
             self.in_flight = new_v
-            if self.cfg.run.record_weights:
-                self.record(new_v)
+            self.record(new_v)
             self.last_meta = meta
             self._announce(weights=meta, force=True)
         return done
@@ -312,7 +313,7 @@ class WeightFeed:
         log.warning("the rollout side still serves v%d, more than η=%d behind v%d (it missed a weight update): "
                     "sending v%d again", r.loaded_version, cfg.staleness.max_staleness, v, v)
         self.last_meta = self.send(v)
-        if cfg.run.record_weights and not self.run_dir.weights_dir(v).is_dir():
+        if not self.run_dir.weights_dir(v).is_dir():
             self.record(v)
         self._sent()
 
