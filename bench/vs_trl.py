@@ -279,7 +279,7 @@ def run_ours(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"t0": t0, "t_launch": t_launch, "cpu": cpu, "ckpts": ckpts, "startup": startup, "utilisation": util,
             "steps": [(r["step"], r["time"]) for r in steps], "rewards": [r["reward_mean"] for r in steps],
             "steps_done": len(steps), "train_s": round(steps[-1]["time"] - t0, 1) if steps else None,
-            "weights": run_dir}
+            "weights": [run_dir / "weights", run_dir / "checkpoints", run_dir / "final"]}
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -310,7 +310,7 @@ def run_trl(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"t0": t0, "t_launch": t_launch, "cpu": cpu, "ckpts": ckpts, "steps": [(r["step"], r["time"]) for r in steps],
             "rewards": [rewards[r["step"]] for r in steps if r["step"] in rewards],
             "steps_done": len(steps), "train_s": round(steps[-1]["time"] - t0, 1) if steps else None,
-            "weights": d / "ckpt"}
+            "weights": [d / "ckpt"]}
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,7 +392,8 @@ def main() -> None:
                      r["train_s"], {k: v for k, v in r["cpu"].items() if k != "samples"})
             # evaluated now (not timed), then the weights go: at 135M they would fill the disk
             tt = time_to_target(ev, r, args.target, args.eval_stride, f"{who} rep{rep}")
-            shutil.rmtree(r["weights"], ignore_errors=True)
+            for w in r["weights"]:  # the run's records stay
+                shutil.rmtree(w, ignore_errors=True)
             tr = r["rewards"]
             res[who] = {**tt, "steps_run": r["steps_done"], "train_s": r["train_s"],
                         "s_per_step": round(r["train_s"] / max(r["steps_done"], 1), 2) if r["train_s"] else None,

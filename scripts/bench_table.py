@@ -85,10 +85,14 @@ def benchmarks(root: Path = ROOT) -> list[str]:
 
 
 def workload(rec: dict[str, Any]) -> str | None:
-    """The config a record ran (`--config X` in its command), None for the default: a
-    benchmark run on several (the toy and a real model) gets a row for each."""
+    """The config or workload a record ran (`--config X` or `--workload X` in its command),
+    None for the default: a benchmark run on several (the toy and a real model) gets a row
+    for each."""
     words = str(rec.get("command", "")).split()
-    return words[words.index("--config") + 1] if "--config" in words[:-1] else None
+    for flag in ("--config", "--workload"):
+        if flag in words[:-1]:
+            return words[words.index(flag) + 1]
+    return None
 
 
 def last_records(results: Path, name: str) -> list[dict[str, Any] | None]:

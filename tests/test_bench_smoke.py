@@ -167,3 +167,11 @@ def test_bench_table_shows_the_last_real_record(tmp_path: Path) -> None:
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| start-up") and "`first_step_s`" in line]
     assert len(rows) == 2 and "**3.1**" in rows[0] and rows[1].startswith("| start-up: configs/smollm2.yaml |")
     assert "**32.7**" in rows[1], rows
+    # and one on another workload (vs_trl --workload smollm2)
+    toy = {**base, "smoke": False, "speedup_time_to_target_vs_trl": 2.2, "command": "python bench/vs_trl.py --repeats 3"}
+    smol = {**toy, "speedup_time_to_target_vs_trl": 1.6,
+            "command": "python bench/vs_trl.py --workload smollm2 --repeats 3"}
+    (results / "vs_trl.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (toy, smol)))
+    assert _bench_table("--doc", str(doc), "--results", str(results)).returncode == 0
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| vs TRL") and "abc1234" in line]
+    assert len(rows) == 2 and "**2.2**" in rows[0] and rows[1].startswith("| vs TRL: smollm2 |") and "**1.6**" in rows[1]
