@@ -130,7 +130,7 @@ for name, row in rows.items():
                       max_completion_length=6, max_steps=1, report_to="none", use_cpu=True, save_strategy="no",
                       disable_tqdm=True, gradient_checkpointing=False, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=Qwen2ForCausalLM.from_pretrained(model_dir), reward_funcs=[spy], args=args,
-                          train_dataset=Dataset.from_list([row, row]), processing_class=load_tokenizer(model_dir))
+                          train_dataset=Dataset.from_list([row, row]), processing_class=load_tokenizer(model_dir, hf=True))
     try:
         trainer.train()
     except Seen:
