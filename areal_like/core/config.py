@@ -81,7 +81,7 @@ class RunConfig(_Section):
     record_weights_every: int = Field(1, ge=1)
     """With `record_weights`: only every N-th version (and v0), as disk allows at real sizes
     (538 MB a version at 135M). `audit` checks the tokens of the versions recorded and
-    lists the others as missing."""
+    lists the others as missing, so it does not pass: a benchmark's setting."""
     checkpoint_every_n_steps: int = Field(50, ge=1)
     """Save a resumable checkpoint every N train steps (and at the end)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
