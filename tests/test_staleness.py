@@ -170,7 +170,7 @@ def test_simulated_async_run_respects_bound_and_counts_add_up(eta: int, seed: in
                 buf.mark_trained(batch)
                 trainer_v += 1
                 pending_loads.append((t + sync_lag, trainer_v))
-            gate.on_trainer_counts(buf.consumed, buf.dropped_sent)
+            gate.on_trainer_counts(buf.consumed, buf.dropped_sent, trainer_version=trainer_v)
             next_train = t + rng.uniform(0.2, 1.5)
         for item in [p for p in pending_loads if p[0] <= t]:
             pending_loads.remove(item)
@@ -203,3 +203,18 @@ def test_gate_after_resume_counts_samples_sent_before() -> None:
     g.on_trainer_counts(consumed=12, dropped=4, sent_base=24)
     assert g.accepted == 20
     assert g.capacity == 20 and not g.try_admit(1)
+
+
+def test_a_step_that_trains_more_than_b_samples_opens_the_gate_by_as_much() -> None:
+    """The slow lifecycle test's hang: a trainer resumed at v4 with 32 samples buffered
+    (B = 8, η = 2) trained all of them in step 5 (every group step 6 would push past η).
+    The gate at v5 allowed (η + v + 1)·B = 64, all of it accepted, and stayed shut while the
+    trainer waited for step 6's data. What was consumed beyond v·B waits for no later step."""
+    g = StalenessGate(samples_per_step=8, max_staleness=2, max_concurrent=128)
+    g.set_loaded_version(5)
+    g.on_trainer_counts(consumed=64, dropped=0, sent_base=64)
+    assert g.free_slots() == 0  # without the trainer's version: the old bound
+    g.on_trainer_counts(consumed=64, dropped=0, sent_base=64, trainer_version=5)
+    assert g.capacity == 64 + 24 and g.try_admit(8)
+    g.on_trainer_counts(consumed=32, dropped=0, sent_base=64, trainer_version=4)  # late and older: ignored
+    assert g.capacity == 88

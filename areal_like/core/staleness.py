@@ -8,6 +8,10 @@ where `v` is the newest weight version the rollout side has loaded, `B` the samp
 per train step, `running` the episodes started and not finished, and `accepted` the
 samples handed to the trainer side and not later dropped (filtered, over-stale,
 failed). Groups are admitted whole: a group of n occupies n (docs/design.md §9.3).
+A step may train more than B samples (it takes every group it would otherwise push
+past η): what the trainer consumed beyond `v_t · B` at its version `v_t` no longer waits
+for a later step, so it widens the bound by as much (`ahead`); without it the gate would
+stay shut while the trainer waits for data it cannot get.
 
 Why it bounds staleness: by the time the trainer is at version `v_t` it has trained
 on `v_t · B` samples, oldest first. A sample admitted while the rollout side was at
@@ -37,6 +41,8 @@ class GateState:
     """Of those, samples the trainer trained on (cumulative, from its announcements)."""
     sent_base: int = 0
     """Samples sent before a resume (the trainer says how many); they still count."""
+    ahead: int = 0
+    """Samples the trainer consumed beyond B per step so far (its newest announcement's)."""
     rejected_at_gate: int = 0
     """Admission attempts refused (a counter for dashboards, not samples)."""
 
@@ -53,6 +59,7 @@ class StalenessGate:
         self.eta = max_staleness
         self.max_concurrent = max_concurrent
         self.s = GateState()
+        self._ahead_version = -1
 
     @property
     def accepted(self) -> int:
@@ -61,7 +68,7 @@ class StalenessGate:
     @property
     def capacity(self) -> int:
         """Total samples that may ever be accepted + running at the loaded version."""
-        return (self.eta + self.s.version + 1) * self.B
+        return (self.eta + self.s.version + 1) * self.B + self.s.ahead
 
     def free_slots(self) -> int:
         return min(self.capacity - self.accepted - self.s.running, self.max_concurrent - self.s.running)
@@ -99,13 +106,18 @@ class StalenessGate:
             raise ValueError(f"max_concurrent must be >= 1, got {n}")
         self.max_concurrent = n
 
-    def on_trainer_counts(self, consumed: int, dropped: int, sent_base: int = 0) -> None:
+    def on_trainer_counts(self, consumed: int, dropped: int, sent_base: int = 0,
+                          trainer_version: int | None = None) -> None:
         """Apply a trainer announcement's cumulative counts. Repeated or reordered
         announcements are harmless (max keeps the newest). The version in the same
-        announcement only counts once the engines have loaded it (`set_loaded_version`)."""
+        announcement only counts once the engines have loaded it (`set_loaded_version`);
+        with it, samples consumed beyond B per step widen the bound (`ahead`)."""
         self.s.consumed = max(self.s.consumed, consumed)
         self.s.dropped = max(self.s.dropped, dropped)
         self.s.sent_base = max(self.s.sent_base, sent_base)
+        if trainer_version is not None and trainer_version >= self._ahead_version:
+            self._ahead_version = trainer_version
+            self.s.ahead = max(0, consumed - trainer_version * self.B)
 
     def set_loaded_version(self, version: int) -> None:
         """The engines now serve `version` (capacity follows what is loaded)."""
@@ -115,6 +127,7 @@ class StalenessGate:
         """A new trainer epoch: its announcements carry the counts from its checkpoint
         (`sent_base`, consumed, dropped); what this side sent before is not its to count."""
         self.s = GateState(rejected_at_gate=self.s.rejected_at_gate)
+        self._ahead_version = -1
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self.s)

@@ -293,8 +293,10 @@ class GateSnapshot(_Strict):
     consumed: int = 0
     sent_base: int = 0
     rejected_at_gate: int = 0
+    ahead: int = 0
+    """Samples the trainer consumed beyond B per step (steps that took extra groups)."""
     capacity: int = 0
-    """(η + v + 1) · B."""
+    """(η + v + 1) · B + ahead."""
 
 
 class EpisodeOutcomes(_Strict):

@@ -243,7 +243,7 @@ class RolloutController:
         self.follow.refuse_if_another(ann)
         if ann.servers and self.resize_pool is not None and not ann.stop:
             self.resize_pool(ann.servers)  # returns at once; the pool grows or drains beside the schedule
-        self.gate.on_trainer_counts(ann.counts.consumed, ann.counts.dropped, ann.counts.sent_base)
+        self.gate.on_trainer_counts(ann.counts.consumed, ann.counts.dropped, ann.counts.sent_base, ann.version)
         await self.hold.follow(ann, before_weights=True)
         meta = ann.weights
         if meta is not None:
