@@ -461,8 +461,10 @@ class _Sim:
         self.clock.push(delivered, "weights_sent", self.trainer.version + 1)
 
     def announce(self) -> None:
-        """The trainer's cumulative counts reach the gate (drops free capacity)."""
-        self.gate.on_trainer_counts(self.buffer.consumed, self.buffer.dropped_sent)
+        """The trainer's cumulative counts reach the gate (drops free capacity; a step that
+        took extra groups widens it). The step just trained makes version + 1."""
+        self.gate.on_trainer_counts(self.buffer.consumed, self.buffer.dropped_sent,
+                                    trainer_version=self.trainer.version + 1)
 
     def on_weights_delivered(self, version: int) -> None:
         """Every server applies the version: pause, and under recompute re-prefill in-flight contexts."""
