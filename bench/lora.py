@@ -8,8 +8,9 @@ is its own:
   tokens, one optimizer step); the step's time, its forward+backward and optimizer parts,
   the bytes of one version (`named_weights()`: the adapter with LoRA), its peak RSS;
 - server: an `EmbeddedEngine` loads the model, then two versions of that shape (a
-  version's load as the servers do it: stage and apply, with LoRA the merge), timed; its
-  peak RSS against the fp32 weights' bytes.
+  version's load as the servers do it: stage and apply), timed; its peak RSS against the
+  fp32 weights' bytes; then the recipe's generation shape on the last version (a prefill
+  of 16 × 40 tokens, a decode step of 16 rows: with LoRA the adapter runs beside the base).
 
     python bench/lora.py                  # SmolLM2-135M-Instruct (fetch it first), ranks 0,8,16,32
     python bench/lora.py --smoke          # the toy model, ranks 0,4, one step
@@ -88,6 +89,29 @@ def _trainer(model: str, rank: int, steps: int, threads: int, vocab_cap: int | N
             "threads": torch.get_num_threads()}
 
 
+def _decode(runner: Any, rows: int = 16, prompt: int = 40, tokens: int = 16) -> tuple[float, float]:
+    """The recipe's generation shape on the loaded version (with LoRA the adapter runs beside
+    the base weights; full weights cost what a merged version costs): one prefill of 16
+    prompts of 40 tokens, then the median of 16 decode steps of 16 rows."""
+    import random
+
+    import torch
+
+    rng = random.Random(0)
+    ids = [[rng.randrange(4, min(1000, runner.vocab_size)) for _ in range(prompt)] for _ in range(rows)]
+    kv = runner.new_kv(rows, prompt + tokens + 1)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        runner.forward(kv, 0, ids, [0] * rows)
+        prefill = time.perf_counter() - t
+        steps = []
+        for k in range(tokens):
+            t = time.perf_counter()
+            runner.forward(kv, 0, [[rng.randrange(4, min(1000, runner.vocab_size))] for _ in range(rows)], [prompt + k] * rows)
+            steps.append(time.perf_counter() - t)
+    return round(prefill, 3), round(statistics.median(steps), 4)
+
+
 def _server(model: str, rank: int) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
@@ -125,7 +149,9 @@ def _server(model: str, rank: int) -> dict[str, Any]:
         loads.append(time.perf_counter() - t)
         del named
     peak = _peak_mb()
+    prefill_s, decode_s = _decode(engine.runner)
     return {"load_first_s": round(loads[0], 3), "load_s": round(loads[1], 3), "server_built_rss_mb": round(built_mb),
+            "prefill_s": prefill_s, "decode_step_s": decode_s,
             "server_peak_rss_mb": round(peak), "weights_mb": round(weights_mb),
             "server_peak_over_weights": round(peak / weights_mb, 2) if weights_mb else None}
 
@@ -173,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = {}
     for name, row in rows.items():
         line = (f"step {row['step_s']:.2f} s (fwd+bwd {row['fwd_bwd_s']:.2f}, optimizer {row['optimizer_s']:.3f}); "
-                f"version {row['version_bytes'] / 1e6:.1f} MB, loaded in {row['load_s']:.2f} s; "
+                f"version {row['version_bytes'] / 1e6:.1f} MB, loaded in {row['load_s']:.3f} s; "
+                f"decode step {row['decode_step_s'] * 1e3:.1f} ms; "
                 f"trainer {row['trainer_peak_rss_mb']} MB, server {row['server_peak_rss_mb']} MB")
         if full is not None and name != "full":
             line += f"; bytes {row['version_bytes'] / full['version_bytes']:.1%} of full"

@@ -36,9 +36,15 @@ def _run(run_dir: Path, *extra: str) -> None:
 def test_saved_versions_score_as_the_run_scored_them(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _run(run_dir, "run.record_weights=true")
-    in_run = {r["version"]: r["accuracy"] for r in map(json.loads, (run_dir / "metrics.jsonl").open())
-              if r["kind"] == "eval"}
+    records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r["kind"] == "eval"]
+    in_run = {r["version"]: r["accuracy"] for r in records}
     assert {0, 2, 4} <= set(in_run), in_run
+    # An evaluation during training may be interrupted by the next update, and its answers
+    # then end with the newer weights (its record says so in `max_token_version`): only
+    # the evaluations that ran on their own version's weights throughout are comparable.
+    # The last version's always is: no update comes after it.
+    pure = {r["version"] for r in records if r["max_token_version"] == r["version"]}
+    assert 4 in pure, records
     p = _cli("eval", str(run_dir), "--versions", "every:2")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "v2: held-out accuracy" in p.stdout and "v4: held-out accuracy" in p.stdout, p.stdout
@@ -49,7 +55,8 @@ def test_saved_versions_score_as_the_run_scored_them(tmp_path: Path) -> None:
         # Same rows, same seeds, same weights: the same number (v2 was evaluated in the run
         # while training episodes shared the server, v4 at the end with it to itself).
         assert r["kind"] == "offline_eval" and r["num_samples"] == 32
-        assert r["accuracy"] == in_run[r["version"]], (r, in_run)
+        if r["version"] in pure:
+            assert r["accuracy"] == in_run[r["version"]], (r, in_run)
 
 
 def test_a_run_without_saved_weights_or_a_missing_version_is_one_clear_line(tmp_path: Path) -> None:

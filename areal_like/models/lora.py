@@ -6,10 +6,10 @@ structure (FSDP wraps `model.layers` as before) and only the adapters' A and B r
 gradients. Parameter names gain `.base_layer.` and `.lora_A.default.` segments.
 
 The wire (`wire_tensors`): per adapted linear layer `X`, `X.lora_A.weight` (r × in) and
-`X.lora_B.weight` (out × r) with the scale alpha / r folded into B. A receiver keeps
-`X.weight` as it first loaded it (the base model's) and sets
-`X.weight = base + B @ A` for each version (`AdapterMerger`): exact up to float rounding,
-and a version costs the adapter's bytes, not the model's.
+`X.lora_B.weight` (out × r) with the scale alpha / r folded into B. A receiver
+(`adapter_pairs`) keeps the base weights as loaded and runs each version's adapter beside
+them (the embedded engine: y = x·Wᵀ + (x·Aᵀ)·Bᵀ), which computes what `base + B @ A`
+computes up to float rounding; a version costs the adapter's bytes, not the model's.
 
 Export (`merged_weights`): the model's HF names with each adapted weight merged — an HF
 folder any engine, `audit` and `eval` load as they load a full fine-tune. `save_adapter`
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_adapters", "wire_tensors", "adapter_wire", "merged_weights", "save_adapter", "load_adapter", "AdapterMerger",
-           "MergedWeight", "is_adapter_name", "ADAPTER_FILE", "ADAPTER_CONFIG"]
+__all__ = ["add_adapters", "wire_tensors", "adapter_wire", "merged_weights", "save_adapter", "load_adapter",
+           "adapter_pairs", "is_adapter_name", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -214,60 +214,21 @@ def adapter_wire(folder: str | Path) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-class MergedWeight:
-    """base + B @ A, computed only when written (`into`): straight into the engine's weight,
-    with no tensor of the weight's size allocated per version."""
-
-    def __init__(self, base: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> None:
-        self.base, self.b, self.a = base, b, a
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.base.shape
-
-    def tensor(self) -> torch.Tensor:
-        return torch.addmm(self.base, self.b, self.a)
-
-    def into(self, dst: torch.Tensor) -> None:
-        if dst.dtype == self.base.dtype and dst.device == self.base.device and dst.is_contiguous():
-            torch.addmm(self.base, self.b, self.a, out=dst)
-        else:
-            dst.copy_(self.tensor())
-
-
-class AdapterMerger:
-    """A server's side of the wire: the base weight of each adapted layer, kept as first
-    loaded, and each version's adapter merged into it (`merge`)."""
-
-    def __init__(self) -> None:
-        self.base: dict[str, torch.Tensor] = {}
-
-    def merge(self, named: Iterable[tuple[str, torch.Tensor]],
-              current: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | MergedWeight]]:
-        """Pass full tensors through; turn each layer's A and scale·B into its merged
-        `X.weight` (a `MergedWeight`, written at apply). `current` maps HF names to the engine's live tensors (the base is copied
-        from it the first time a layer's adapter arrives)."""
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, t in named:
-            if not is_adapter_name(name):
-                yield name, t
-                continue
-            x, which = (name[: -len(_A)], "a") if name.endswith(_A) else (name[: -len(_B)], "b")
-            part = pending.setdefault(x, {})
-            part[which] = t.detach().to(torch.float32, copy=True)  # receivers may reuse their buffers
-            if len(part) < 2:
-                continue
+def adapter_pairs(named: Iterable[tuple[str, torch.Tensor]],
+                  pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver's side of the wire: pass full tensors through; put each adapted layer's
+    (A, scale·B) into `pairs` under the layer's name, as fp32 copies (receivers reuse their
+    buffers). Raises on a half without its pair once `named` is spent."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in named:
+        if not is_adapter_name(name):
+            yield name, t
+            continue
+        x, which = (name[: -len(_A)], "a") if name.endswith(_A) else (name[: -len(_B)], "b")
+        part = pending.setdefault(x, {})
+        part[which] = t.detach().to(torch.float32, copy=True)
+        if len(part) == 2:
             del pending[x]
-            target = f"{x}.weight"
-            if target not in current:
-                raise KeyError(f"load_weights: adapter for {x!r}, which has no weight {target!r} in this model")
-            base = self.base.get(target)
-            if base is None:
-                base = self.base[target] = current[target].detach().to(torch.float32, copy=True)
-            a, b = part["a"], part["b"]
-            if b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(base.shape):
-                raise ValueError(f"load_weights: adapter for {x} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
-                                 f"which do not make its weight's shape {tuple(base.shape)}")
-            yield target, MergedWeight(base, b, a)
-        if pending:
-            raise ValueError(f"load_weights: adapter halves without their pair: {sorted(pending)[:3]}")
+            pairs[x] = (part["a"], part["b"])
+    if pending:
+        raise ValueError(f"load_weights: adapter halves without their pair: {sorted(pending)[:3]}")

@@ -1,5 +1,5 @@
 """LoRA (`model.lora`, docs/lora.md): only the adapters learn, a version on the wire is the
-adapter, a server merges it exactly, checkpoints resume bit for bit, and the export loads
+adapter, a server runs it as the merged model, checkpoints resume bit for bit, and the export loads
 with PEFT and with any engine as a merged model."""
 
 from __future__ import annotations
@@ -50,11 +50,22 @@ def test_only_the_adapters_learn_and_a_version_is_the_adapter(tiny_model_dir, tr
     assert sum(t.numel() for t in wire.values()) < 0.1 * full
 
 
-def test_a_server_merges_each_version_exactly(tiny_model_dir, trajs, tmp_path) -> None:
-    """The embedded engine turns the wire's adapter into the merged weights the export holds
-    (base + scale·B@A) and a second version merges from the base again, not on top of the
-    first; PEFT's own merge of the exported adapter gives the same weights, and the merged
-    model scores the batch as the trainer's adapter model does."""
+PROMPTS = [[1, 5, 9, 3, 7, 2], [2, 4, 6], [8, 8, 1, 0]]
+
+
+def _logits(server) -> torch.Tensor:  # noqa: ANN001
+    """What a server computes: each prompt's next-token logits."""
+    r = server.runner
+    with torch.inference_mode():
+        return r.forward(r.new_kv(len(PROMPTS), 16), 0, PROMPTS, [0] * len(PROMPTS))
+
+
+def test_a_server_runs_each_version_as_the_merged_model(tiny_model_dir, trajs, tmp_path) -> None:
+    """The embedded engine runs the wire's adapter beside its base weights and computes what
+    the merged model the export holds (base + scale·B@A) computes; a second version replaces
+    the first, not adds to it (a server that loaded only the second computes the same,
+    bit for bit); PEFT's own merge of the exported adapter gives the same weights, and the
+    merged model scores the batch as the trainer's adapter model does."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -63,14 +74,19 @@ def test_a_server_merges_each_version_exactly(tiny_model_dir, trajs, tmp_path) -
 
     engine = _trained(tiny_model_dir, trajs, steps=1)
     server = EmbeddedEngine(tiny_model_dir)
+    base = _logits(server)
     server.load_weights(engine.named_weights(), 1)
     batch = build_batch(trajs(), CFG.loss)
     engine.train_step(batch)
     server.load_weights(engine.named_weights(), 2)
+    late = EmbeddedEngine(tiny_model_dir)
+    late.load_weights(engine.named_weights(), 2)
     out = save_hf_folder(tmp_path / "v2", engine, tiny_model_dir)
+    got, want = _logits(server), _logits(EmbeddedEngine(out))
+    assert (got - base).abs().max().item() > 1e-3  # the adapter moved the model
+    assert (got - want).abs().max().item() < 1e-4
+    assert torch.equal(got, _logits(late))
     merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
-    live = server.runner._state
-    assert max((live[k] - merged[k]).abs().max().item() for k in merged if k in live) < 1e-6
     peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                                             out / "adapter").merge_and_unload().state_dict()
     assert max((peft_merged[k] - merged[k]).abs().max().item() for k in merged) < 1e-6
@@ -83,13 +99,15 @@ def test_a_bad_adapter_leaves_the_server_on_its_old_weights(tiny_model_dir, traj
 
     wire = list(_trained(tiny_model_dir, trajs, steps=1).named_weights())
     server = EmbeddedEngine(tiny_model_dir)
-    before = {k: v.clone() for k, v in server.runner._state.items()}
+    before = _logits(server)
     with pytest.raises(ValueError, match="without their pair"):
         server.load_weights(iter(wire[:-1]), 1)
     a_name, a = wire[0]
     with pytest.raises(ValueError, match="do not make its weight's shape"):
         server.load_weights(iter([(a_name, a), (a_name.replace("lora_A", "lora_B"), torch.zeros(3, 3))]), 1)
-    assert server.version == 0 and all(torch.equal(before[k], v) for k, v in server.runner._state.items())
+    with pytest.raises(KeyError, match="not a linear layer"):
+        server.load_weights(iter([("model.norm.lora_A.weight", a), ("model.norm.lora_B.weight", a)]), 1)
+    assert server.version == 0 and torch.equal(before, _logits(server))
 
 
 def test_checkpoint_holds_the_adapter_and_resumes_bitwise(tiny_model_dir, trajs, tmp_path) -> None:
@@ -118,16 +136,14 @@ def test_init_from_a_saved_adapter(tiny_model_dir, trajs, tmp_path) -> None:
     out = save_hf_folder(tmp_path / "final", a, tiny_model_dir)
     b = TorchTrainEngine(tiny_model_dir, CFG, lora=LORA.model_copy(update={"init_from": str(out / "adapter")}))
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights(), strict=True))
-    # `serve` with the adapter on its base: the same weights as the merged export
-    from transformers import AutoModelForCausalLM
-
+    # `serve` with the adapter on its base computes what the merged export computes
     from areal_like.orchestration.serve import build_servers
+    from rollout_cluster.engine import EmbeddedEngine
 
     cfg = ExperimentConfig.model_validate({"model": {"path": str(tiny_model_dir), "lora": {
         "rank": 4, "alpha": 8, "init_from": str(out / "adapter")}}})
-    live = build_servers(cfg)[0].engine.engine.runner._state
-    merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
-    assert max((live[k] - merged[k]).abs().max().item() for k in merged if k in live) < 1e-6
+    got = _logits(build_servers(cfg)[0].engine.engine)
+    assert (got - _logits(EmbeddedEngine(out))).abs().max().item() < 1e-4
     with pytest.raises(ValueError, match="does not adapt"):
         TorchTrainEngine(tiny_model_dir, CFG, lora=LoraConfig(rank=4, target_modules=["q_proj"],
                                                               init_from=str(out / "adapter")))
@@ -152,3 +168,29 @@ def test_loss_config_is_untouched_by_lora(tiny_model_dir, trajs) -> None:
     with_lora = TorchTrainEngine(tiny_model_dir, CFG, lora=LORA)
     plain = TorchTrainEngine(tiny_model_dir, CFG)
     assert torch.equal(with_lora.compute_logprobs(batch), plain.compute_logprobs(batch))
+
+
+def test_adapters_on_some_projections_and_an_untied_head(tiny_model_dir, trajs, tmp_path) -> None:
+    """Adapters on only some of a fused site's members (q and v of q/k/v) and on the output
+    head of a model whose head is its own weight: the server still computes what the
+    merged export computes."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_like.orchestration.run_dir import save_hf_folder
+    from rollout_cluster.engine import EmbeddedEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 0.5)
+    untied = tmp_path / "untied"
+    model.save_pretrained(untied)
+    for f in Path(tiny_model_dir).iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            (untied / f.name).write_bytes(f.read_bytes())
+    engine = _trained(untied, trajs, lora=LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"]))
+    wire = dict(engine.named_weights())
+    assert "lm_head.lora_A.weight" in wire and not any("k_proj" in n for n in wire)
+    server = EmbeddedEngine(untied)
+    server.load_weights(iter(wire.items()), 1)
+    out = save_hf_folder(tmp_path / "v1", engine, untied)
+    assert (_logits(server) - _logits(EmbeddedEngine(out))).abs().max().item() < 1e-4

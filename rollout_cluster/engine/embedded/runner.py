@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_like.core.config import EMBEDDED_MODEL_TYPES
-from areal_like.models.lora import AdapterMerger, MergedWeight
+from areal_like.models.lora import adapter_pairs
 from rollout_cluster.engine.base import NamedTensors
 from rollout_cluster.engine.embedded.cache import KVSlots
 from rollout_cluster.engine.embedded.scheduler import PrefillPlan, Seq
@@ -33,8 +33,26 @@ __all__ = ["ModelRunner", "SUPPORTED_MODEL_TYPES", "Staged"]
 
 SUPPORTED_MODEL_TYPES = EMBEDDED_MODEL_TYPES  # checked before anything starts too (orchestration/paths.py)
 
-Staged = list[tuple[torch.Tensor, "torch.Tensor | MergedWeight"]]
-"""(destination parameter, checked copy of the incoming tensor, or a LoRA merge) pairs."""
+Lora = tuple[torch.Tensor, torch.Tensor]
+"""A fused site's adapter: (A [R, in], Bᵀ [R, out]); y += (x·Aᵀ)·Bᵀ."""
+
+
+@dataclass(eq=False)
+class Staged:
+    """A checked version, ready to apply: (destination parameter, incoming tensor) pairs,
+    and each adapted layer's (A, scale·B) (LoRA)."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    adapters: dict[str, Lora]
+
+
+_SITES = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
+          "self_attn.o_proj": ("o", 0), "mlp.gate_proj": ("gu", 0), "mlp.up_proj": ("gu", 1),
+          "mlp.down_proj": ("down", 0)}
+"""Where an adapted HF linear layer (`model.layers.{i}.` + key) runs: its fused site and
+its row block there (q, k, v share one matmul; gate, up another)."""
+_MEMBERS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+            "gu": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
 
 def _fuse(mods: list[torch.nn.Module], fused: torch.Tensor | None) -> torch.Tensor:
@@ -57,6 +75,13 @@ def _fuse(mods: list[torch.nn.Module], fused: torch.Tensor | None) -> torch.Tens
         m.weight.data = fused[off:off + n]
         off += n
     return fused
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lora: Lora | None) -> torch.Tensor:
+    y = F.linear(x, w, b)
+    if lora is not None:
+        y.addmm_(F.linear(x, lora[0]), lora[1])
+    return y
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,6 +131,8 @@ class _Layer:
     b_down: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    lora: dict[str, Lora]
+    """Site ("qkv", "o", "gu", "down") → its adapter, run beside the base weight."""
 
 
 class ModelRunner:
@@ -141,8 +168,11 @@ class ModelRunner:
         self._act = _activation(hf.hidden_act)
         self._scale = float(self.model.model.layers[0].self_attn.scaling)
         self._state = self.model.state_dict()
-        self._adapters = AdapterMerger()
-        """LoRA versions: each adapted layer's base weight, kept as first loaded."""
+        self._adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """LoRA: each adapted layer's (A, scale·B) as last loaded; the weights stay the base's."""
+        self._sites: dict[tuple[int, str], Lora] = {}
+        """(layer, site) → the fused adapter `forward` runs (`_fuse_adapters`)."""
+        self._head: Lora | None = None
         self._layers: list[_Layer] = []
         self._pack()
         with torch.inference_mode():
@@ -197,6 +227,7 @@ class ModelRunner:
                     b_down=mlp.down_proj.bias,
                     q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                     k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                    lora={site: ab for (li, site), ab in self._sites.items() if li == i},
                 )
             )
         self._layers = layers
@@ -213,11 +244,13 @@ class ModelRunner:
         receiver's are (a whole version in one buffer, reused at the next version only),
         and `update_weights` stages and applies in one call. Tied embeddings stay tied: `lm_head.weight` and
         `model.embed_tokens.weight` are the same storage, whichever name arrives. A LoRA
-        version's adapter halves arrive as `X.lora_A/B.weight` and stage as the merged
-        `X.weight` (`areal_like.models.lora.AdapterMerger`).
+        version's adapter halves arrive as `X.lora_A/B.weight`: the weights stay the base's
+        and the adapter runs beside them (`_fuse_adapters`), so a version is the adapter's
+        bytes to apply, not the model's.
         """
-        staged: Staged = []
-        for name, tensor in self._adapters.merge(named_tensors, self._state):
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, tensor in adapter_pairs(named_tensors, pairs):
             dst = self._state.get(name)
             if dst is None:
                 raise KeyError(f"load_weights: unknown weight {name!r} for {type(self.model).__name__}")
@@ -225,21 +258,62 @@ class ModelRunner:
                 raise ValueError(
                     f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
-            if isinstance(tensor, MergedWeight):  # computed straight into the weight at `apply`
-                staged.append((dst, tensor))
-            else:
-                staged.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype)))
-        return staged
+            copies.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype)))
+        for x, (a, b) in pairs.items():
+            w = self._state.get(f"{x}.weight")
+            if w is None or (x != "lm_head" and self._site(x) is None):
+                raise KeyError(f"load_weights: adapter for {x!r}, which is not a linear layer the embedded engine "
+                               "adapts (the decoder's projections and lm_head)")
+            if b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
+                raise ValueError(f"load_weights: adapter for {x} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
+                                 f"which do not make its weight's shape {tuple(w.shape)}")
+        return Staged(copies, pairs)
+
+    @staticmethod
+    def _site(x: str) -> tuple[int, str, int] | None:
+        """`model.layers.{i}.{key}` → (i, its fused site, its place in the site)."""
+        head, _, rest = x.partition("model.layers.")
+        i, _, key = rest.partition(".")
+        if head or not i.isdigit() or key not in _SITES:
+            return None
+        return (int(i), *_SITES[key])
 
     def apply(self, staged: Staged) -> None:
         """Copy staged tensors into the model and re-pack; cannot fail halfway on a bad name."""
         with torch.no_grad():
-            for dst, src in staged:
-                if isinstance(src, MergedWeight):
-                    src.into(dst)
-                else:
-                    dst.copy_(src)
+            for dst, src in staged.copies:
+                dst.copy_(src)
+        if staged.adapters:
+            self._adapters.update(staged.adapters)
+            self._fuse_adapters(set(staged.adapters))
         self._pack()
+
+    def _fuse_adapters(self, changed: set[str]) -> None:
+        """Each site a changed layer belongs to gets its adapter anew from its members':
+        the A's stacked ([R, in]) and the B's block-diagonal (Bᵀ [R, out], zeros where a
+        member's rank meets another member's rows), so q/k/v (gate/up) stay one matmul
+        and one adapter matmul pair. An adapter runs in the engine's dtype."""
+        sites: set[tuple[int, str]] = set()
+        for x in changed:
+            if x == "lm_head":
+                a, b = self._adapters[x]
+                self._head = (a.to(self.device, self.dtype), b.t().contiguous().to(self.device, self.dtype))
+            else:
+                i, site, _ = self._site(x)  # type: ignore[misc]
+                sites.add((i, site))
+        for i, site in sites:
+            layer = self.model.model.layers[i]
+            outs = [layer.get_submodule(k).weight.shape[0] for k in _MEMBERS[site]]
+            members = [(j, self._adapters.get(f"model.layers.{i}.{k}")) for j, k in enumerate(_MEMBERS[site])]
+            members = [(j, ab) for j, ab in members if ab is not None]
+            a_cat = torch.cat([a for _, (a, _) in members])
+            bt = a_cat.new_zeros(a_cat.shape[0], sum(outs))
+            r0 = 0
+            for j, (a, b) in members:
+                c0 = sum(outs[:j])
+                bt[r0:r0 + a.shape[0], c0:c0 + outs[j]] = b.t()
+                r0 += a.shape[0]
+            self._sites[(i, site)] = (a_cat.to(self.device, self.dtype), bt.to(self.device, self.dtype))
 
     # ---- compute ------------------------------------------------------------------------
 
@@ -284,7 +358,7 @@ class ModelRunner:
         h = F.embedding(tokens, self._embed)  # [M, hidden]
         for li, L in enumerate(self._layers):
             x = _rms(h, L.ln1, self._eps)
-            qkv = F.linear(x, L.w_qkv, L.b_qkv)
+            qkv = _linear(x, L.w_qkv, L.b_qkv, L.lora.get("qkv"))
             qs, ks, vs = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             qs = qs.view(m, hq, d)
             ks = ks.view(m, hkv, d)
@@ -309,13 +383,13 @@ class ModelRunner:
             attn = torch.matmul(probs, vals).view(n, hq, q, d).transpose(1, 2).reshape(n * q, hq * d)
             if grid is not None:
                 attn = attn[grid]
-            h = h + F.linear(attn, L.w_o, L.b_o)
+            h = h + _linear(attn, L.w_o, L.b_o, L.lora.get("o"))
             x = _rms(h, L.ln2, self._eps)
-            gate, up = F.linear(x, L.w_gu, L.b_gu).chunk(2, dim=-1)
-            h = h + F.linear(self._act(gate) * up, L.w_down, L.b_down)
+            gate, up = _linear(x, L.w_gu, L.b_gu, L.lora.get("gu")).chunk(2, dim=-1)
+            h = h + _linear(self._act(gate) * up, L.w_down, L.b_down, L.lora.get("down"))
         if not decode:
             h = h[torch.cumsum(torch.tensor(qlens, device=dev), 0) - 1]
-        return F.linear(_rms(h, self._norm, self._eps), self._lm_head)
+        return _linear(_rms(h, self._norm, self._eps), self._lm_head, None, self._head)
 
     def decode(self, kv: KVSlots, running: list[Seq]) -> torch.Tensor:
         """One token for every running sequence (slots 0..B-1): logits [B, V]."""
