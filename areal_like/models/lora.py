@@ -217,8 +217,9 @@ def adapter_wire(folder: str | Path) -> list[tuple[str, torch.Tensor]]:
 def adapter_pairs(named: Iterable[tuple[str, torch.Tensor]],
                   pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """A receiver's side of the wire: pass full tensors through; put each adapted layer's
-    (A, scale·B) into `pairs` under the layer's name, as fp32 copies (receivers reuse their
-    buffers). Raises on a half without its pair once `named` is spent."""
+    (A, scale·B) into `pairs` under the layer's name (referenced, not copied: like full
+    tensors, they stay unchanged until the version is applied). Raises on a half without
+    its pair once `named` is spent."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in named:
         if not is_adapter_name(name):
@@ -226,7 +227,7 @@ def adapter_pairs(named: Iterable[tuple[str, torch.Tensor]],
             continue
         x, which = (name[: -len(_A)], "a") if name.endswith(_A) else (name[: -len(_B)], "b")
         part = pending.setdefault(x, {})
-        part[which] = t.detach().to(torch.float32, copy=True)
+        part[which] = t.detach()
         if len(part) == 2:
             del pending[x]
             pairs[x] = (part["a"], part["b"])

@@ -168,10 +168,8 @@ class ModelRunner:
         self._act = _activation(hf.hidden_act)
         self._scale = float(self.model.model.layers[0].self_attn.scaling)
         self._state = self.model.state_dict()
-        self._adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        """LoRA: each adapted layer's (A, scale·B) as last loaded; the weights stay the base's."""
         self._sites: dict[tuple[int, str], Lora] = {}
-        """(layer, site) → the fused adapter `forward` runs (`_fuse_adapters`)."""
+        """LoRA: (layer, site) → the adapter `forward` runs beside the base weight (`_put_adapter`)."""
         self._head: Lora | None = None
         self._layers: list[_Layer] = []
         self._pack()
@@ -245,7 +243,7 @@ class ModelRunner:
         and `update_weights` stages and applies in one call. Tied embeddings stay tied: `lm_head.weight` and
         `model.embed_tokens.weight` are the same storage, whichever name arrives. A LoRA
         version's adapter halves arrive as `X.lora_A/B.weight`: the weights stay the base's
-        and the adapter runs beside them (`_fuse_adapters`), so a version is the adapter's
+        and the adapter runs beside them (`_put_adapter`), so a version is the adapter's
         bytes to apply, not the model's.
         """
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -279,41 +277,42 @@ class ModelRunner:
         return (int(i), *_SITES[key])
 
     def apply(self, staged: Staged) -> None:
-        """Copy staged tensors into the model and re-pack; cannot fail halfway on a bad name."""
+        """Copy staged tensors into the model (and adapters into their sites); cannot fail
+        halfway on a bad name."""
         with torch.no_grad():
             for dst, src in staged.copies:
                 dst.copy_(src)
-        if staged.adapters:
-            self._adapters.update(staged.adapters)
-            self._fuse_adapters(set(staged.adapters))
-        self._pack()
+            new = [self._put_adapter(x, a, b) for x, (a, b) in staged.adapters.items()]
+        if staged.copies or any(new):
+            self._pack()
 
-    def _fuse_adapters(self, changed: set[str]) -> None:
-        """Each site a changed layer belongs to gets its adapter anew from its members':
-        the A's stacked ([R, in]) and the B's block-diagonal (Bᵀ [R, out], zeros where a
-        member's rank meets another member's rows), so q/k/v (gate/up) stay one matmul
-        and one adapter matmul pair. An adapter runs in the engine's dtype."""
-        sites: set[tuple[int, str]] = set()
-        for x in changed:
-            if x == "lm_head":
-                a, b = self._adapters[x]
-                self._head = (a.to(self.device, self.dtype), b.t().contiguous().to(self.device, self.dtype))
-            else:
-                i, site, _ = self._site(x)  # type: ignore[misc]
-                sites.add((i, site))
-        for i, site in sites:
-            layer = self.model.model.layers[i]
-            outs = [layer.get_submodule(k).weight.shape[0] for k in _MEMBERS[site]]
-            members = [(j, self._adapters.get(f"model.layers.{i}.{k}")) for j, k in enumerate(_MEMBERS[site])]
-            members = [(j, ab) for j, ab in members if ab is not None]
-            a_cat = torch.cat([a for _, (a, _) in members])
-            bt = a_cat.new_zeros(a_cat.shape[0], sum(outs))
-            r0 = 0
-            for j, (a, b) in members:
-                c0 = sum(outs[:j])
-                bt[r0:r0 + a.shape[0], c0:c0 + outs[j]] = b.t()
-                r0 += a.shape[0]
-            self._sites[(i, site)] = (a_cat.to(self.device, self.dtype), bt.to(self.device, self.dtype))
+    def _put_adapter(self, x: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Write layer `x`'s A and scale·B into its site's adapter, in place: a site's A's
+        are stacked ([R, in], R = rank × the site's members) and its B's block-diagonal
+        (Bᵀ [R, out], zeros where one member's rank meets another's rows), so q/k/v
+        (gate/up) stay one matmul and one adapter pair, and a version allocates nothing.
+        Returns whether the site's buffers were (re)made (the first version, or a new rank)."""
+        r = a.shape[0]
+        if x == "lm_head":
+            made = self._head is None or self._head[0].shape[0] != r
+            if made:
+                self._head = (a.new_zeros(r, a.shape[1], dtype=self.dtype, device=self.device),
+                              a.new_zeros(r, b.shape[0], dtype=self.dtype, device=self.device))
+            head, j, c0 = self._head, 0, 0
+        else:
+            i, site, j = self._site(x)  # type: ignore[misc]
+            outs = [self.model.model.layers[i].get_submodule(k).weight.shape[0] for k in _MEMBERS[site]]
+            head = self._sites.get((i, site))
+            made = head is None or head[0].shape[0] != r * len(outs)
+            if made:
+                head = self._sites[(i, site)] = (
+                    a.new_zeros(r * len(outs), a.shape[1], dtype=self.dtype, device=self.device),
+                    a.new_zeros(r * len(outs), sum(outs), dtype=self.dtype, device=self.device))
+            c0 = sum(outs[:j])
+        assert head is not None
+        head[0][j * r:(j + 1) * r].copy_(a)
+        head[1][j * r:(j + 1) * r, c0:c0 + b.shape[0]].copy_(b.t())
+        return made
 
     # ---- compute ------------------------------------------------------------------------
 
