@@ -94,6 +94,9 @@ def test_bench_smoke(script: str, tmp_path: Path) -> None:
     assert not lacks, f"bench/{script}'s record lacks {sorted(lacks)}"
     if script == "vs_trl.py":
         assert all(isinstance(x, (int, float)) and x > 0 for x in rec["ours_median_step_s"]), rec["ours_median_step_s"]
+    if script == "lora.py":  # #45: per rank, a version's bytes and load, and what the adapter costs a decode step
+        assert all({"version_bytes", "load_s", "decode_step_s"} <= set(r) for r in rec["rows"].values()), rec
+        assert all("decode_step_no_adapter_s" in r for n, r in rec["rows"].items() if n != "full"), rec
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)

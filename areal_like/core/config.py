@@ -740,10 +740,6 @@ class ExperimentConfig(_Section):
         if self.train.backend.type == "megatron":
             raise ValueError("model.lora with train.backend.type=megatron is not built: use train.backend.type=torch "
                              "(single worker, DDP or FSDP) for LoRA, or model.lora.rank=0")
-        if self.rollout.engine.type != "embedded":
-            raise ValueError(f"model.lora with rollout.engine.type={self.rollout.engine.type} is not built: the "
-                             "embedded engine merges each version's adapter into its base weights; use "
-                             "rollout.engine.type=embedded, or model.lora.rank=0")
 
     def _check_colocate(self) -> None:
         """`cluster.colocate` with GPUs: the servers run on the train pool's GPUs, one TP=1

