@@ -122,19 +122,13 @@ def _decode(runner: Any, rows: int = 16, prompt: int = 40, tokens: int = 16) -> 
     return out
 
 
-def _server(model: str, rank: int) -> dict[str, Any]:
+def _versions(model: str, rank: int, state: dict[str, Any]) -> Any:
+    """A maker of versions of this model's shape: full weights (rank 0), or an adapter (A,
+    scale·B per linear layer but the head)."""
     import torch
     from safetensors.torch import load_file
 
-    from rollout_cluster.engine import EmbeddedEngine
-
-    torch.set_num_threads(1)
-    files = sorted(Path(model).glob("*.safetensors"))
-    weights_mb = sum(f.stat().st_size for f in files) / 1e6
-    engine = EmbeddedEngine(model)
-    built_mb = _peak_mb()
     if rank:  # an adapter version of this model's shape: A, scale*B per linear layer but the head
-        state = engine.runner._state
         names = [n.removesuffix(".weight") for n, t in state.items()
                  if n.endswith("proj.weight") and t.dim() == 2]
         g = torch.Generator().manual_seed(0)
@@ -146,11 +140,52 @@ def _server(model: str, rank: int) -> dict[str, Any]:
                 out += [(f"{x}.lora_A.weight", torch.randn(rank, i, generator=g) * 0.01),
                         (f"{x}.lora_B.weight", torch.randn(o, rank, generator=g) * 0.01)]
             return out
-    else:
-        full = {k: v for f in files for k, v in load_file(str(f)).items()}
+        return version
+    full = {k: v for f in sorted(Path(model).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    return lambda: list(full.items())
 
-        def version() -> list[tuple[str, Any]]:
-            return list(full.items())
+
+def _vllm_server(model: str, rank: int) -> dict[str, Any]:
+    """vLLM's load of a version (an adapter is merged into the folder's weights in each
+    worker, then reloaded): seconds for the first and the second, as `_server`."""
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from areal_like.core.config import VLLMEngineConfig
+    from rollout_cluster.engine.vllm_engine import VLLMEngine
+
+    state = {k: v for f in sorted(Path(model).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    version = _versions(model, rank, state)
+
+    async def main() -> list[float]:
+        engine = VLLMEngine(model, VLLMEngineConfig(kv_cache_gb=0.5, max_model_len=512), seed=0)
+        loads = []
+        try:
+            for v in (1, 2):
+                named = version()
+                t = time.perf_counter()
+                await engine.update_weights(iter(named), v)
+                loads.append(time.perf_counter() - t)
+        finally:
+            await engine.close()
+        return loads
+
+    loads = asyncio.run(main())
+    return {"load_first_s": round(loads[0], 3), "load_s": round(loads[1], 3)}
+
+
+def _server(model: str, rank: int) -> dict[str, Any]:
+    import torch
+
+    from rollout_cluster.engine import EmbeddedEngine
+
+    torch.set_num_threads(1)
+    files = sorted(Path(model).glob("*.safetensors"))
+    weights_mb = sum(f.stat().st_size for f in files) / 1e6
+    engine = EmbeddedEngine(model)
+    built_mb = _peak_mb()
+    version = _versions(model, rank, engine.runner._state)
     loads = []
     for v in (1, 2):
         named = version()
@@ -172,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ranks", default="0,8,16,32", help="LoRA ranks to measure; 0 is full fine-tuning")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="the trainer's torch threads (the recipe's: 1)")
+    ap.add_argument("--engine", choices=("embedded", "vllm"), default="embedded",
+                    help="the server's engine (vllm: run under .venv-vllm; it merges each adapter into the folder's "
+                         "weights and reloads, so only load times are measured)")
     ap.add_argument("--vocab-cap", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # ROLE:RANK, in a child process
     args, rec = parse(ap, __file__, SMOKE, argv)
@@ -186,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.one:
         role, rank = args.one.split(":")
         out = (_trainer(model, int(rank), args.steps, args.threads, args.vocab_cap) if role == "trainer"
-               else _server(model, int(rank)))
+               else _vllm_server(model, int(rank)) if args.engine == "vllm" else _server(model, int(rank)))
         print(json.dumps(out))
         return out
     rows: dict[str, dict[str, Any]] = {}
@@ -194,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for role in ("trainer", "server"):
             cmd = [sys.executable, __file__, "--one", f"{role}:{rank}", "--model", model, "--steps", str(args.steps),
-                   "--threads", str(args.threads), "--no-record"]
+                   "--threads", str(args.threads), "--engine", args.engine, "--no-record"]
             if args.vocab_cap:
                 cmd += ["--vocab-cap", str(args.vocab_cap)]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -208,16 +246,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = {}
     for name, row in rows.items():
         line = (f"step {row['step_s']:.2f} s (fwd+bwd {row['fwd_bwd_s']:.2f}, optimizer {row['optimizer_s']:.3f}); "
-                f"version {row['version_bytes'] / 1e6:.1f} MB, loaded in {row['load_s']:.3f} s; "
-                f"decode step {row['decode_step_s'] * 1e3:.1f} ms"
-                + (f" ({row['decode_step_no_adapter_s'] * 1e3:.1f} without the adapter); "
-                   if "decode_step_no_adapter_s" in row else "; ")
-                + 
-                f"trainer {row['trainer_peak_rss_mb']} MB, server {row['server_peak_rss_mb']} MB")
+                f"version {row['version_bytes'] / 1e6:.1f} MB, loaded in {row['load_s']:.3f} s")
+        if "decode_step_s" in row:
+            line += f"; decode step {row['decode_step_s'] * 1e3:.1f} ms"
+            if "decode_step_no_adapter_s" in row:
+                line += f" ({row['decode_step_no_adapter_s'] * 1e3:.1f} without the adapter)"
+            line += f"; trainer {row['trainer_peak_rss_mb']} MB, server {row['server_peak_rss_mb']} MB"
         if full is not None and name != "full":
             line += f"; bytes {row['version_bytes'] / full['version_bytes']:.1%} of full"
         summary[name] = line
-    return rec.finish({"model": model, "steps": args.steps, "rows": rows, "summary": summary})
+    return rec.finish({"model": model, "engine": args.engine, "steps": args.steps, "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -85,11 +85,11 @@ def benchmarks(root: Path = ROOT) -> list[str]:
 
 
 def workload(rec: dict[str, Any]) -> str | None:
-    """The config or workload a record ran (`--config X` or `--workload X` in its command),
+    """The config, workload or engine a record ran (`--config X`, `--workload X` or `--engine X`),
     None for the default: a benchmark run on several (the toy and a real model) gets a row
     for each."""
     words = str(rec.get("command", "")).split()
-    for flag in ("--config", "--workload"):
+    for flag in ("--config", "--workload", "--engine"):
         if flag in words[:-1]:
             return words[words.index(flag) + 1]
     return None
