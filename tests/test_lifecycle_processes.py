@@ -120,7 +120,7 @@ def _weight_sync_seconds(run_dir: Path) -> list[float]:
 
 BACKENDS = {"torch": [], "megatron": ["train.backend.type=megatron", "train.backend.device=cpu",
                                       "train.backend.tensor_parallel_size=2", "cluster.train_pool.num_cpus=2"],
-            # adapters on the wire: a restarted trainer's versions merge from each server's base copy
+            # adapters on the wire: a restarted trainer's versions replace each server's adapter
             "lora": ["model.lora.rank=8"]}
 
 
