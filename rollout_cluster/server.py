@@ -21,6 +21,7 @@ async or cheap.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -297,10 +298,35 @@ class RolloutServer:
                 await self.join_weights(rendezvous)
             from weight_sync.meta import newer_weights
 
-            version, tensors = await asyncio.to_thread(self._receiver.receive, meta)
-            if not newer_weights(meta, self.weights_epoch, self.version):
+            newer = newer_weights(meta, self.weights_epoch, self.version)
+            loop = asyncio.get_running_loop()
+            going: list[concurrent.futures.Future[Any]] = []
+
+            def load(named: list[tuple[str, Any]]) -> concurrent.futures.Future[Any] | None:
+                """On the shared-memory lane, from the receive thread: the engine reads the
+                verified version straight from the sender's file (no copy of it here); the
+                receiver votes once it has read it, while the engine re-prefills."""
+                if newer:
+                    going.append(asyncio.run_coroutine_threadsafe(self.engine.update_weights(named, meta.version), loop))
+                    return going[0]
+                going.append(concurrent.futures.Future())
+                going[0].set_result(None)
+                return None
+
+            try:
+                if self.engine.loads_in_place and getattr(self._receiver, "loads_in_place", False):
+                    version, tensors = await asyncio.to_thread(self._receiver.receive, meta, load)
+                else:
+                    version, tensors = await asyncio.to_thread(self._receiver.receive, meta)
+            finally:
+                if going:  # a load under way ends before this returns, the receive's outcome either way
+                    await asyncio.wait([asyncio.wrap_future(going[0])])
+            if going:
+                going[0].result()  # the load's own error (after the vote), if any
+            if not newer:
                 return self.version  # sent again for a restarted sibling: nothing to load
-            await self.engine.update_weights(list(tensors), version)
+            if not going:
+                await self.engine.update_weights(list(tensors), version)
         if version == meta.version:  # loaded (or served already): the epoch of what is served
             self.weights_epoch = int(meta.epoch)
         dt = time.perf_counter() - t0

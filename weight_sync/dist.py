@@ -35,7 +35,8 @@ What travels where:
 - On one host the buckets are not broadcast at all: when every member can read the
   sender's shared-memory files, the plan names the staging file and each receiver
   copies it into its buffer and checksums it there (`weight_sync/shm.py`,
-  docs/design.md §10.31).
+  docs/design.md §10.31) or, for an engine that loads in place, checksums it in the
+  file and has the engine read it from there before voting (§10.44).
 - Last, a one-int allreduce: each receiver votes 1 if it verified the version. It
   doubles as a commit barrier: it succeeds only if every member received every byte,
   so a transfer either reaches the whole group or none of it (a receiver dying
@@ -74,7 +75,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -739,7 +741,21 @@ class DistWeightReceiver(WeightReceiver):
         n = self._ctl.add("join/n", 1)
         self._ctl.set(f"join/{n}", self.receiver_id)
 
-    def receive(self, meta: WeightUpdateMeta) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    loads_in_place = True
+    """`receive` takes a `load` (below)."""
+
+    def receive(self, meta: WeightUpdateMeta,
+                load: Callable[[list[tuple[str, Any]]], Future[Any] | None] | None = None,
+                ) -> tuple[int, Iterator[tuple[str, Any]]]:
+        """`WeightReceiver.receive`; `load`: an engine that writes tensors itself
+        (`shm.FileSlice.into`). On the shared-memory lane it is called with the version's
+        (name, FileSlice) pairs once they are verified and before this receiver votes, so
+        the sender keeps the file as it is while the engine reads it, no buffer here holds
+        the version, and the returned iterator is empty; an error it raises is this
+        receiver's refusal. It may return a future of a load that goes on: the vote then
+        waits until every slice was read (or the future failed first: the refusal). On the
+        broadcast lane it is not called: the version arrives in the buffer as before and
+        the caller loads the iterator."""
         t0 = time.perf_counter()
         self._last = stats = TransferStats(version=meta.version)
         try:
@@ -763,7 +779,7 @@ class DistWeightReceiver(WeightReceiver):
                     f"receiver {self.receiver_id!r} is not in weight group generation {plan['generation']} "
                     f"carrying v{meta.version}; re-registered for the next version"
                 )
-            refusal = self._receive_into_buffer(meta, layout, seq, plan, spec_error, stats, t0)
+            refusal, loaded = self._receive_into_buffer(meta, layout, seq, plan, spec_error, stats, t0, load)
             if refusal is not None:
                 raise refusal
         except WeightSyncError as e:
@@ -779,7 +795,7 @@ class DistWeightReceiver(WeightReceiver):
         stats.ok = True
         stats.bytes = layout.total_bytes
         stats.seconds = time.perf_counter() - t0
-        return meta.version, self._iterate(layout)
+        return meta.version, (iter(()) if loaded else self._iterate(layout))
 
     def _rendezvous(self, seq: int) -> dict[str, Any]:
         """Announce readiness for transfer `seq` and wait for the sender's plan.
@@ -834,9 +850,12 @@ class DistWeightReceiver(WeightReceiver):
         spec_error: WeightSyncError | None,
         stats: TransferStats,
         t0: float,
-    ) -> WeightSyncError | None:
-        """Receive every byte into the preallocated buffer, verify, vote; return this
-        receiver's own refusal (spec or checksum), if any.
+        load: Callable[[list[tuple[str, Any]]], Future[Any] | None] | None = None,
+    ) -> tuple[WeightSyncError | None, bool]:
+        """Receive every byte into the preallocated buffer (or, loading in place, only
+        verify it in the sender's file and `load` it from there), verify, vote; return
+        this receiver's own refusal (spec, checksum, or the load's error), if any, and
+        whether the version was loaded in place.
 
         A refusal is local: the other members still activate the version (one
         misconfigured engine must not freeze the fleet; the sender logs the count).
@@ -867,12 +886,15 @@ class DistWeightReceiver(WeightReceiver):
                 )
                 self._generation = generation
             stats.rendezvous_s = time.perf_counter() - t0
-            if layout != self._layout or self._flat is None or self._flat.device != wire:
+            in_place = load is not None and bool(plan.get("shm"))
+            if in_place:
+                self._flat = self._layout = None  # nothing holds a version between transfers
+            elif layout != self._layout or self._flat is None or self._flat.device != wire:
                 self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=wire)
                 self._layout = layout
             refusal = spec_error
             try:
-                digests = self._receive_buckets(meta, layout, seq, generation, plan.get("shm"))
+                digests = self._receive_buckets(meta, layout, seq, generation, plan.get("shm"), in_place)
             except _ShmUnreadable as e:  # a local refusal: the others still activate the version
                 digests, refusal = [], refusal or WeightSyncError(str(e))
             stats.lane = "shm" if plan.get("shm") else ("nccl" if wire.type == "cuda" else "gloo")
@@ -882,17 +904,34 @@ class DistWeightReceiver(WeightReceiver):
                     f"checksum mismatch for v{meta.version}: received {got[:12]}, announced {meta.checksum[:12]}; "
                     f"keeping the old weights"
                 )
+            loaded = False
+            if in_place and refusal is None:
+                assert load is not None
+                try:  # before the vote: the sender keeps the file as it is until then
+                    with open(plan["shm"], "rb", buffering=0) as f:
+                        slices = self._shm.slices(f, layout)
+                        going = load(slices)
+                        # A load that goes on after reading (re-prefilling interrupted requests)
+                        # holds the vote only until every slice is read, or until it ends.
+                        while going is not None and not slices.read.wait(0.005) and not going.done():
+                            pass
+                        if going is not None and not slices.read.is_set():
+                            going.result()  # it ended without reading everything: its error, if any
+                    loaded = True
+                except Exception as e:  # the engine refused it (and keeps its weights)
+                    refusal = e if isinstance(e, WeightSyncError) else WeightSyncError(
+                        f"v{meta.version} verified but not loaded: {type(e).__name__}: {e}")
             _commit(self._group, int(refusal is None), wire, self.timeout_s)
-            return refusal
+            return refusal, loaded
         except Exception:
             self._ctl.add(f"gen{generation}/broken", 1)
             self._drop_group()
             raise
 
     def _receive_buckets(
-        self, meta: WeightUpdateMeta, layout: FlatLayout, seq: int, generation: int, shm_path: str | None = None
+        self, meta: WeightUpdateMeta, layout: FlatLayout, seq: int, generation: int, shm_path: str | None = None,
+        in_place: bool = False,
     ) -> list[bytes]:
-        assert self._flat is not None
         timeout = _timedelta(self.timeout_s)
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self._wire)
         self._group.broadcast(header, 0, timeout).wait(timeout)
@@ -902,12 +941,16 @@ class DistWeightReceiver(WeightReceiver):
         slots = layout.slots
         if shm_path is not None:  # the sender's staging file holds this version until the vote
             try:
+                if in_place:
+                    return self._shm.digests(shm_path, layout)
+                assert self._flat is not None
                 self._shm.read_into(shm_path, layout.total_bytes, self._flat)
             except OSError as e:  # gone (another host's cleanup, a full tmpfs): take the broadcast from now on
                 self._sees_shm = False
                 raise _ShmUnreadable(f"cannot read the weight sender's staging file ({e}); keeping the old "
                                      f"weights, and taking the broadcast from the next version") from e
             return [layout.slot_digest(self._flat, slot) for slot in slots]
+        assert self._flat is not None
         digests: list[bytes] = []
         in_flight: deque[tuple[Any, int]] = deque()
 

@@ -117,9 +117,8 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return raw if raw.data_ptr() % 8 == 0 else raw.clone()
 
 
-def tensor_digest(t: torch.Tensor) -> bytes:
-    """16-byte digest of a tensor's raw bytes: lane sums per 64 KiB chunk (module docstring)."""
-    raw = _raw_bytes(t)
+def _digest_parts(raw: torch.Tensor) -> list[torch.Tensor]:
+    """The lane sums of `raw` (8-byte aligned uint8): one row per 64 KiB chunk, then the rest."""
     n = raw.numel()
     parts: list[torch.Tensor] = []
     chunks_end = n - n % _CHUNK
@@ -132,10 +131,29 @@ def tensor_digest(t: torch.Tensor) -> bytes:
         row = torch.zeros(_ROW, dtype=torch.uint8, device=raw.device)
         row[: n - rows_end] = raw[rows_end:]
         parts.append(row.view(torch.int64).view(1, _LANES))
+    return parts
+
+
+def _digest_of(n: int, parts: list[torch.Tensor]) -> bytes:
     h = hashlib.blake2b(n.to_bytes(8, "little"), digest_size=16)
     if parts:
         h.update(torch.cat(parts).cpu().numpy().tobytes())
     return h.digest()
+
+
+def tensor_digest(t: torch.Tensor) -> bytes:
+    """16-byte digest of a tensor's raw bytes: lane sums per 64 KiB chunk (module docstring)."""
+    raw = _raw_bytes(t)
+    return _digest_of(raw.numel(), _digest_parts(raw))
+
+
+def streamed_digest(pieces: Iterable[torch.Tensor], n: int) -> bytes:
+    """`tensor_digest` of `n` bytes that arrive as consecutive uint8 pieces (8-byte aligned,
+    each but the last a whole number of 64 KiB chunks): the same digest, no buffer of `n`."""
+    parts: list[torch.Tensor] = []
+    for piece in pieces:
+        parts += _digest_parts(piece)  # sums: new tensors, so the piece's buffer may be reused
+    return _digest_of(n, parts)
 
 
 def checksum(metas: Sequence[TensorMeta], digests: Sequence[bytes]) -> str:

@@ -10,7 +10,9 @@ transfer can, the plan names the staging file and no bucket is broadcast. The he
 the checksum and the commit vote are unchanged: a receiver reads the file into its own
 buffer (`read` calls, not a mapping: mapped pages would count as a second copy of the
 version in the server's resident memory), verifies every byte against the meta's
-checksum, and votes (docs/design.md §10.31). The sender never rewrites the file before the transfer's commit vote has
+checksum, and votes (docs/design.md §10.31). A receiver whose engine loads in place
+verifies the file through one 64 MB piece instead and hands the engine `FileSlice`s to
+read into its weights before it votes, so no buffer holds the version (§10.44). The sender never rewrites the file before the transfer's commit vote has
 completed, so a receiver reads one version only; a receiver that somehow read a torn one
 fails the checksum and keeps its weights.
 
@@ -26,12 +28,16 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["SenderLane", "ShmProbe", "ShmReader", "ShmStaging", "remove_stale"]
+from weight_sync.meta import FlatLayout, Slot, streamed_digest
+
+__all__ = ["FileSlice", "FileSlices", "SenderLane", "ShmProbe", "ShmReader", "ShmStaging", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -191,25 +197,119 @@ class SenderLane:
 
 
 class ShmReader:
-    """Receiver side: reads the sender's staging file into this side's buffer with
-    `read` calls, never a mapping: a mapping's pages count in this process's resident
-    memory (a second copy of every version), the page cache's do not."""
+    """Receiver side: reads the sender's staging file with `read` calls, never a mapping:
+    a mapping's pages count in this process's resident memory (a second copy of every
+    version), the page cache's do not. Either into this side's buffer (`read_into`), or,
+    for an engine that loads in place, only through a chunk to verify (`digests`) and
+    then tensor by tensor straight into the engine's weights (`slices`)."""
 
     _CHUNK = 64 << 20
 
+    def __init__(self) -> None:
+        self._piece: torch.Tensor | None = None
+
     def read_into(self, path: str, size: int, dst: torch.Tensor) -> None:
         """The first `size` bytes of `path` into the uint8 CPU tensor `dst`."""
-        view = memoryview(dst.numpy()).cast("B")[:size]
         with open(path, "rb", buffering=0) as f:
             have = os.fstat(f.fileno()).st_size
             if have < size:
                 raise OSError(f"{path} holds {have} bytes, the transfer needs {size}")
-            done = 0
-            while done < size:
-                n = f.readinto(view[done:done + self._CHUNK])
-                if not n:
-                    raise OSError(f"{path} ended at byte {done} of {size}")
-                done += n
+            _read_exact(f, 0, memoryview(dst.numpy()).cast("B")[:size], path)
+
+    def digests(self, path: str, layout: FlatLayout) -> list[bytes]:
+        """Each tensor's `tensor_digest`, streamed from `path` through one 64 MB piece."""
+        if self._piece is None:
+            self._piece = torch.empty(self._CHUNK, dtype=torch.uint8)
+        view = memoryview(self._piece.numpy()).cast("B")
+        out = []
+        with open(path, "rb", buffering=0) as f:
+            have = os.fstat(f.fileno()).st_size
+            if have < layout.total_bytes:
+                raise OSError(f"{path} holds {have} bytes, the transfer needs {layout.total_bytes}")
+
+            def pieces(slot: Slot) -> Iterator[torch.Tensor]:
+                for start in range(slot.offset, slot.end, self._CHUNK):
+                    n = min(self._CHUNK, slot.end - start)
+                    _read_exact(f, start, view[:n], path)
+                    yield self._piece[:n]  # type: ignore[index]
+
+            for slot in layout.slots:
+                out.append(streamed_digest(pieces(slot), slot.nbytes))
+        return out
+
+    @staticmethod
+    def slices(f: Any, layout: FlatLayout) -> FileSlices:
+        """The version's tensors in the open staging file `f` (open once: the file stays
+        readable through it even if it is unlinked meanwhile)."""
+        return FileSlices(f, layout)
 
     def close(self) -> None:
-        """Nothing is held between versions."""
+        """Drop the verify piece (made again when needed)."""
+        self._piece = None
+
+
+def _read_exact(f: Any, offset: int, view: memoryview, path: str) -> None:
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise OSError(f"{path} ended at byte {offset + done}")
+        done += n
+
+
+class FileSlices(list):  # type: ignore[type-arg]
+    """A version as (name, `FileSlice`) pairs; `read` is set once every slice was read
+    (then the file may change: the receiver votes)."""
+
+    def __init__(self, f: Any, layout: FlatLayout) -> None:
+        self.read = threading.Event()
+        self._left = len(layout.slots)
+        self._lock = threading.Lock()
+        super().__init__((slot.name, FileSlice(f, slot, self._one_read)) for slot in layout.slots)
+        if not self._left:
+            self.read.set()
+
+    def _one_read(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self.read.set()
+
+
+class FileSlice:
+    """One tensor of a version in the sender's staging file, read only when an engine
+    writes it (`into`): loading in place, no buffer ever holds the whole version. Valid
+    until the transfer's commit vote (the sender does not rewrite the file before it)."""
+
+    def __init__(self, f: Any, slot: Slot, on_read: Callable[[], None] | None = None) -> None:
+        self.file, self.slot, self._on_read = f, slot, on_read
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.slot.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slot.dtype
+
+    def tensor(self) -> torch.Tensor:
+        out = torch.empty(self.slot.shape, dtype=self.slot.dtype)
+        self._read(out)
+        return out
+
+    def into(self, dst: torch.Tensor) -> None:
+        """Write this tensor into `dst` (same shape): straight from the file when `dst` is a
+        contiguous CPU tensor of its dtype, else through a tensor of its own size."""
+        if dst.dtype == self.slot.dtype and dst.device.type == "cpu" and dst.is_contiguous():
+            self._read(dst)
+        else:
+            dst.copy_(self.tensor())
+
+    def _read(self, dst: torch.Tensor) -> None:
+        if self.slot.nbytes:
+            view = memoryview(dst.reshape(-1).view(torch.uint8).numpy())
+            _read_exact(self.file, self.slot.offset, view, str(getattr(self.file, "name", "the staging file")))
+        if self._on_read is not None:  # the first read of this slice counts
+            on_read, self._on_read = self._on_read, None
+            on_read()

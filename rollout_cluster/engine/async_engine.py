@@ -87,6 +87,7 @@ class AsyncEngine(AsyncGenerateEngine):
 
     streams_tokens = True
     lends_threads = True
+    loads_in_place = True
 
     def __init__(self, engine: Engine, *, name: str = "rollout-engine") -> None:
         self.engine = engine

@@ -379,6 +379,11 @@ class AsyncGenerateEngine(Protocol):
     they receive (vLLM: `join_weights`, `receive_weights`); otherwise the server's
     receiver takes the version and hands it to `update_weights`."""
 
+    loads_in_place: bool = False
+    """`update_weights` takes tensors that write themselves (`into(dst)`: slices of the
+    weight sender's shared-memory file), so a receiver on that lane hands the version
+    straight to the engine and holds no copy of it (the embedded engine)."""
+
     @property
     def version(self) -> int: ...
 

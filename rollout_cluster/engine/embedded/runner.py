@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,8 @@ class Staged:
     """A checked version, ready to apply: (destination parameter, incoming tensor) pairs,
     and each adapted layer's (A, scale·B) (LoRA)."""
 
-    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    copies: list[tuple[torch.Tensor, Any]]
+    """(destination, a tensor or what writes itself there: `weight_sync.shm.FileSlice`)."""
     adapters: dict[str, Lora]
 
 
@@ -246,7 +248,7 @@ class ModelRunner:
         and the adapter runs beside them (`_put_adapter`), so a version is the adapter's
         bytes to apply, not the model's.
         """
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies: list[tuple[torch.Tensor, Any]] = []
         pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, tensor in adapter_pairs(named_tensors, pairs):
             dst = self._state.get(name)
@@ -256,7 +258,10 @@ class ModelRunner:
                 raise ValueError(
                     f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
-            copies.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype)))
+            if hasattr(tensor, "into"):  # written by itself at `apply` (a slice of the sender's file)
+                copies.append((dst, tensor))
+            else:
+                copies.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype)))
         for x, (a, b) in pairs.items():
             w = self._state.get(f"{x}.weight")
             if w is None or (x != "lm_head" and self._site(x) is None):
@@ -281,7 +286,10 @@ class ModelRunner:
         halfway on a bad name."""
         with torch.no_grad():
             for dst, src in staged.copies:
-                dst.copy_(src)
+                if isinstance(src, torch.Tensor):
+                    dst.copy_(src)
+                else:
+                    src.into(dst)
             new = [self._put_adapter(x, a, b) for x, (a, b) in staged.adapters.items()]
         if staged.copies or any(new):
             self._pack()
