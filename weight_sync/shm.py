@@ -11,7 +11,7 @@ the checksum and the commit vote are unchanged: a receiver reads the file into i
 buffer (`read` calls, not a mapping: mapped pages would count as a second copy of the
 version in the server's resident memory), verifies every byte against the meta's
 checksum, and votes (docs/design.md §10.31). A receiver whose engine loads in place
-verifies the file through one 64 MB piece instead and hands the engine `FileSlice`s to
+verifies the file through one 16 MB piece instead and hands the engine `FileSlice`s to
 read into its weights before it votes, so no buffer holds the version (§10.44). The sender never rewrites the file before the transfer's commit vote has
 completed, so a receiver reads one version only; a receiver that somehow read a torn one
 fails the checksum and keeps its weights.
@@ -203,7 +203,8 @@ class ShmReader:
     for an engine that loads in place, only through a chunk to verify (`digests`) and
     then tensor by tensor straight into the engine's weights (`slices`)."""
 
-    _CHUNK = 64 << 20
+    _PIECE = 16 << 20
+    """What `digests` reads at a time: a whole number of the digest's 64 KiB chunks."""
 
     def __init__(self) -> None:
         self._piece: torch.Tensor | None = None
@@ -217,9 +218,15 @@ class ShmReader:
             _read_exact(f, 0, memoryview(dst.numpy()).cast("B")[:size], path)
 
     def digests(self, path: str, layout: FlatLayout) -> list[bytes]:
-        """Each tensor's `tensor_digest`, streamed from `path` through one 64 MB piece."""
-        if self._piece is None:
-            self._piece = torch.empty(self._CHUNK, dtype=torch.uint8)
+        """Each tensor's `tensor_digest`, streamed from `path` through one 16 MB piece, made
+        for this call only (nothing is held between versions)."""
+        try:
+            return self._digests(path, layout)
+        finally:
+            self._piece = None
+
+    def _digests(self, path: str, layout: FlatLayout) -> list[bytes]:
+        self._piece = torch.empty(self._PIECE, dtype=torch.uint8)
         view = memoryview(self._piece.numpy()).cast("B")
         out = []
         with open(path, "rb", buffering=0) as f:
@@ -228,8 +235,8 @@ class ShmReader:
                 raise OSError(f"{path} holds {have} bytes, the transfer needs {layout.total_bytes}")
 
             def pieces(slot: Slot) -> Iterator[torch.Tensor]:
-                for start in range(slot.offset, slot.end, self._CHUNK):
-                    n = min(self._CHUNK, slot.end - start)
+                for start in range(slot.offset, slot.end, self._PIECE):
+                    n = min(self._PIECE, slot.end - start)
                     _read_exact(f, start, view[:n], path)
                     yield self._piece[:n]  # type: ignore[index]
 
