@@ -247,7 +247,9 @@ class LiteCausalLM(nn.Module):
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
         if getattr(cfg, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        # assign: the loaded tensors become the parameters (the built ones, never written, are
+        # dropped), so loading holds the weights once, not twice (a server's peak at start).
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         missing = [m for m in missing if not (m == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False))]
         if missing or unexpected:
             raise ValueError(f"checkpoint {path} does not match a {cfg.model_type} model: missing "
