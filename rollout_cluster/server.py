@@ -314,7 +314,7 @@ class RolloutServer:
                 return None
 
             try:
-                if self.engine.loads_in_place and getattr(self._receiver, "loads_in_place", False):
+                if self.engine.loads_in_place and self._receiver.loads_in_place:
                     version, tensors = await asyncio.to_thread(self._receiver.receive, meta, load)
                 else:
                     version, tensors = await asyncio.to_thread(self._receiver.receive, meta)

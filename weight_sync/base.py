@@ -111,6 +111,10 @@ class WeightSender(abc.ABC):
 class WeightReceiver(abc.ABC):
     """One rollout engine: turns a published meta into verified `(name, tensor)` pairs."""
 
+    loads_in_place: bool = False
+    """`receive(meta, load)` can hand the engine the version to read itself (the dist
+    receiver on the shared-memory lane); otherwise the caller loads the returned pairs."""
+
     @abc.abstractmethod
     def receive(self, meta: WeightUpdateMeta) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
         """Fetch and verify version `meta.version`; raise `WeightSyncError` on any failure.

@@ -227,7 +227,7 @@ def adapter_pairs(named: Iterable[tuple[str, torch.Tensor]],
             continue
         x, which = (name[: -len(_A)], "a") if name.endswith(_A) else (name[: -len(_B)], "b")
         part = pending.setdefault(x, {})
-        part[which] = t.tensor() if hasattr(t, "into") else t.detach()  # a file slice is read now
+        part[which] = t.detach() if isinstance(t, torch.Tensor) else t.tensor()  # a file slice is read now
         if len(part) == 2:
             del pending[x]
             pairs[x] = (part["a"], part["b"])

@@ -258,10 +258,10 @@ class ModelRunner:
                 raise ValueError(
                     f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
-            if hasattr(tensor, "into"):  # written by itself at `apply` (a slice of the sender's file)
-                copies.append((dst, tensor))
-            else:
+            if isinstance(tensor, torch.Tensor):
                 copies.append((dst, tensor.detach().to(device=dst.device, dtype=dst.dtype)))
+            else:  # written by itself at `apply` (`into`: a slice of the sender's file)
+                copies.append((dst, tensor))
         for x, (a, b) in pairs.items():
             w = self._state.get(f"{x}.weight")
             if w is None or (x != "lm_head" and self._site(x) is None):
