@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 
 from areal_like.core.config import DiskWeightSyncConfig, DistWeightSyncConfig
 from areal_like.core.types import WeightUpdateMeta
+from tests.weight_sync.conftest import TIMEOUT_S
 from weight_sync import (
     DiskWeightReceiver,
     DiskWeightSender,
@@ -27,17 +27,6 @@ from weight_sync import (
     make_sender,
 )
 from weight_sync.dist import parse_address
-
-TIMEOUT_S = 2.0
-
-
-@pytest.fixture
-def sender() -> Iterator[DistWeightSender]:
-    s = DistWeightSender(
-        DistWeightSyncConfig(type="dist", bucket_mb=0.01, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
-    )
-    yield s
-    s.close()
 
 
 def _receiver(rid: str, shared_memory: bool = True) -> DistWeightReceiver:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,20 +17,10 @@ import torch
 
 from areal_like.core.config import DistWeightSyncConfig
 from areal_like.core.types import WeightUpdateMeta
+from tests.weight_sync.conftest import TIMEOUT_S
 from weight_sync import DistWeightReceiver, DistWeightSender, WeightSyncError
 from weight_sync.meta import streamed_digest, tensor_digest
 from weight_sync.shm import FileSlice
-
-TIMEOUT_S = 2.0
-
-
-@pytest.fixture
-def sender() -> Iterator[DistWeightSender]:
-    s = DistWeightSender(
-        DistWeightSyncConfig(type="dist", bucket_mb=0.01, timeout_s=TIMEOUT_S, store_addr="127.0.0.1:0")
-    )
-    yield s
-    s.close()
 
 
 def _receiver(sender: DistWeightSender, rid: str = "r", shared_memory: bool = True) -> DistWeightReceiver:
