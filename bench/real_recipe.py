@@ -111,8 +111,9 @@ def _median(steps: list[dict[str, Any]], key: str) -> float | None:
 
 
 class PeakRSS:
-    """The peak resident memory (MB) of a run's trainer and server processes, sampled every
-    0.5 s by process name (`areal-train-*`, `areal-server-*`) under the CLI's pid."""
+    """The peak resident memory (MB) of a run's trainer and server processes, by process name
+    (`areal-train-*`, `areal-server-*`) under the CLI's pid, read every 0.5 s: the kernel's
+    own high-water mark (`VmHWM`) where there is one, so no spike between reads is missed."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak = pid, {"trainer": 0.0, "server": 0.0}
@@ -129,7 +130,7 @@ class PeakRSS:
                 return
             for p in procs:
                 try:
-                    name, rss = p.name(), p.memory_info().rss / 1e6
+                    name, rss = p.name(), _peak_mb(p)
                 except psutil.Error:
                     continue
                 kind = "trainer" if name.startswith("areal-train") else "server" if name.startswith("areal-serv") else None
@@ -143,6 +144,17 @@ class PeakRSS:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join(timeout=2)
+
+
+def _peak_mb(p: Any) -> float:
+    try:
+        with open(f"/proc/{p.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    return float(p.memory_info().rss / 1e6)
 
 
 def _watch(into: list[PeakRSS], pid: int) -> PeakRSS:

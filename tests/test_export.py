@@ -67,6 +67,44 @@ def test_the_writer_round_trips_every_dtype_and_shape_through_safetensors(tmp_pa
             assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), (sub, k)
 
 
+def test_the_reader_gives_what_safetensors_gives_and_names_a_short_file(tmp_path) -> None:
+    """`read_hf_weights` (files read, not mapped) against safetensors' own writer and reader,
+    single file and shards; a file cut short is refused with its tensor's name."""
+    from safetensors.torch import load_file, save_file
+
+    from areal_like.models.hf_folder import read_hf_weights
+
+    ts = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "f16": torch.randn(2, 3).half(),
+          "scalar": torch.tensor(3), "empty": torch.zeros(0, 2), "i64": torch.arange(7)}
+    save_file(dict(list(ts.items())[:3]), str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(dict(list(ts.items())[3:]), str(tmp_path / "model-00002-of-00002.safetensors"))
+    got = read_hf_weights(tmp_path)
+    want = {**load_file(str(tmp_path / "model-00001-of-00002.safetensors")),
+            **load_file(str(tmp_path / "model-00002-of-00002.safetensors"))}
+    assert got.keys() == want.keys() == ts.keys()
+    for k in ts:
+        assert got[k].dtype == ts[k].dtype and torch.equal(got[k], want[k]) and torch.equal(got[k], ts[k]), k
+    cut = tmp_path / "model-00001-of-00002.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-4])
+    with pytest.raises(ValueError, match=r"ends inside f16"):
+        read_hf_weights(tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc/self/maps")
+def test_a_loaded_model_holds_its_weights_once_not_through_a_file_mapping(tiny_model_dir) -> None:
+    """A mapped weight file stays resident beside the engine's fused copies and beside each
+    version written over it (copy-on-write), a second copy of the weights in a server's
+    memory: the model is built from tensors of its own, and nothing maps the file."""
+    from areal_like.models.lite import LiteCausalLM
+
+    model = LiteCausalLM.from_pretrained(tiny_model_dir)
+    weights = sorted(str(f.resolve()) for f in Path(tiny_model_dir).glob("*.safetensors"))
+    assert weights
+    mapped = Path("/proc/self/maps").read_text()
+    assert not [w for w in weights if w in mapped], mapped
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
 def test_an_engine_exports_one_file_or_bounded_shards_that_transformers_loads(tiny_model_dir, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -22,7 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "INDEX_FILE", "SINGLE_FILE", "has_hf_weights", "write_hf_weights"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "INDEX_FILE", "SINGLE_FILE", "has_hf_weights", "read_hf_weights",
+           "write_hf_weights"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,6 +47,43 @@ def _dtype_codes() -> dict[Any, str]:
         if hasattr(torch, attr):
             codes[getattr(torch, attr)] = code
     return codes
+
+
+def read_hf_weights(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every tensor of the folder's safetensors files, each read into memory of its own.
+
+    Read with `readinto`, not mapped (safetensors' `load_file` maps the file): a mapping
+    lives as long as any tensor of it, so the pages of tensors a model copies elsewhere
+    (an engine's fused projections) or rewrites (each weight version, copy-on-write) stay
+    resident beside the copies. Here the process holds each weight once."""
+    import torch
+
+    dtypes = {code: dt for dt, code in _dtype_codes().items()}
+    out: dict[str, Any] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb", buffering=0) as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            base = 8 + n
+            for name, spec in header.items():
+                if name == "__metadata__":
+                    continue
+                if spec["dtype"] not in dtypes:
+                    raise ValueError(f"{path}: {name} has dtype {spec['dtype']}, which torch here cannot hold")
+                begin, end = spec["data_offsets"]
+                t = torch.empty(spec["shape"], dtype=dtypes[spec["dtype"]])
+                if end - begin != t.numel() * t.element_size():
+                    raise ValueError(f"{path}: {name}'s bytes {begin}..{end} do not hold shape {spec['shape']}")
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                f.seek(base + begin)
+                done = 0
+                while done < len(view):
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise ValueError(f"{path} ends inside {name}")
+                    done += got
+                out[name] = t
+    return out
 
 
 def _save_shard(tensors: dict[str, Any], path: Path) -> None:

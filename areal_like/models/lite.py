@@ -230,7 +230,7 @@ class LiteCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> LiteCausalLM:
-        from safetensors.torch import load_file
+        from areal_like.models.hf_folder import read_hf_weights
 
         path = Path(path)
         cfg = LiteConfig.from_dir(path)
@@ -240,9 +240,7 @@ class LiteCausalLM(nn.Module):
         gen = path / "generation_config.json"
         with _no_init():
             model = cls(cfg)
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            state.update(load_file(str(f)))
+        state = read_hf_weights(path)  # read, not mapped: each weight held once (its docstring)
         if not state:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
         if getattr(cfg, "tie_word_embeddings", False):
