@@ -141,7 +141,9 @@ class TrainEngine(ABC):
         # and a second forward would only cost time (docs/design.md §1). The later
         # mini-batches train after an optimizer step, so theirs are computed here, before
         # any step, once and without a graph.
-        minis = minis[:1] + [m.with_(prox_logprobs=self.compute_logprobs(m)) for m in minis[1:]]
+        with torch.no_grad():
+            minis = minis[:1] + [m.with_(prox_logprobs=self._logprobs_with(self._forward_logits, m, scored=True))
+                                 for m in minis[1:]]
         prox_time = time.perf_counter() - t0
 
         sums = torch.zeros(_N_S, dtype=torch.float64)
@@ -279,8 +281,9 @@ class TrainEngine(ABC):
                     self._dummy_backward()
                     continue
                 mb = mini.select(idx)
-                logits = self._forward_logits(mb)
-                loss, mb_sums, mb_wmax = self._micro_loss(logits, mb, denom)
+                rows = _scored_rows(mb)
+                logits = self._forward_logits(mb, rows)
+                loss, mb_sums, mb_wmax = self._micro_loss(logits, mb, denom, rows)
                 (loss * self.world_size).backward()
             sums += mb_sums
             w_max = torch.maximum(w_max, mb_wmax)
@@ -290,11 +293,12 @@ class TrainEngine(ABC):
         return norm, sums, w_max
 
     def _micro_loss(
-        self, logits: torch.Tensor, mb: TrainBatch, denom: float
+        self, logits: torch.Tensor, mb: TrainBatch, denom: float, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`logits` are those of the packed positions `rows` (`_scored_rows`) only."""
         loss_cfg = self.loss_cfg
         dev = logits.device
-        lp = _shifted_logprobs(logits, mb, dev)
+        lp = _shifted_logprobs(logits, mb, dev, rows)
         mask = mb.loss_mask.to(dev)
         prox = mb.prox_logprobs.to(dev) if mb.prox_logprobs is not None else lp.detach()
         behav = mb.behav_logprobs.to(dev)
@@ -321,8 +325,9 @@ class TrainEngine(ABC):
             loss = loss + loss_cfg.kl_coef * kl_term
             kl_sum = (kl.detach() * mask).sum()
         with torch.no_grad():
-            ent = token_entropy(logits.detach()[:-1], mb.temperature.to(dev)[1:])
-            ent_sum = (ent * mask[1:]).sum()
+            scored = rows.to(dev) + 1
+            ent = token_entropy(logits.detach(), mb.temperature.to(dev)[scored])
+            ent_sum = (ent * mask[scored]).sum()
             sums = torch.stack([
                 loss.detach(), pg.detach(), kl_sum, terms.clipped.sum(), (terms.behav_weight * mask).sum(),
                 terms.capped.sum(), terms.masked.sum(), ((prox - behav).abs() * mask).sum(), ent_sum,
@@ -333,7 +338,9 @@ class TrainEngine(ABC):
             w_max = (terms.behav_weight * mask).max().double().cpu().reshape(1)
         return loss, sums, w_max
 
-    def _logprobs_with(self, forward: Any, batch: TrainBatch) -> torch.Tensor:
+    def _logprobs_with(self, forward: Any, batch: TrainBatch, *, scored: bool = False) -> torch.Tensor:
+        """Per-token logprobs of `batch` (`compute_logprobs`); `scored`: of the loss's tokens
+        only (the rest 0), the logits computed at those positions alone."""
         self._train_mode(False)
         out = torch.zeros(batch.num_tokens, dtype=torch.float32)
         offs = batch.offsets().tolist()
@@ -343,7 +350,8 @@ class TrainEngine(ABC):
                 self._dummy_forward(forward)
                 continue
             mb = batch.select(idx)
-            lp = _shifted_logprobs(forward(mb), mb, self.device).float().cpu()
+            rows = _scored_rows(mb) if scored else None
+            lp = _shifted_logprobs(forward(mb, rows), mb, self.device, rows).float().cpu()
             mb_offs = mb.offsets().tolist()
             for j, s in enumerate(idx):
                 out[offs[s]:offs[s + 1]] = lp[mb_offs[j]:mb_offs[j + 1]]
@@ -386,8 +394,11 @@ class TrainEngine(ABC):
     # ---- backend hooks ---------------------------------------------------------------------------
 
     @abstractmethod
-    def _forward_logits(self, mb: TrainBatch) -> torch.Tensor:
-        """Logits [N, V] of a packed micro-batch (no attention across sequences)."""
+    def _forward_logits(self, mb: TrainBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, V] of a packed micro-batch (no attention across sequences); with `rows`
+        (packed positions), only theirs, [len(rows), V] in that order: the vocabulary's
+        projection, softmax and their backward are most of a small model's step when every
+        prompt position gets them (docs/design.md §10.45)."""
 
     def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not support kl_coef > 0")
@@ -425,13 +436,28 @@ def _one_token_batch() -> TrainBatch:
     )
 
 
-def _shifted_logprobs(logits: torch.Tensor, mb: TrainBatch, dev: torch.device) -> torch.Tensor:
+def _scored_rows(mb: TrainBatch) -> torch.Tensor:
+    """The packed positions whose logits the loss reads: t - 1 for every token t in the loss
+    (`loss_mask`), never across a sequence's start. Prompt positions score nothing."""
+    scored = mb.loss_mask > 0
+    scored[mb.offsets()[:-1]] = False
+    return scored.nonzero().squeeze(1) - 1
+
+
+def _shifted_logprobs(logits: torch.Tensor, mb: TrainBatch, dev: torch.device,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token logprobs [N] from packed logits: token t is scored by the logits at t-1.
 
-    Sequence-first positions (predicted, if at all, from the previous sequence) are 0.
+    Sequence-first positions (predicted, if at all, from the previous sequence) are 0. With
+    `rows` (`_scored_rows`), `logits` are those rows' only and the tokens after them get
+    logprobs; every other token 0.
     """
     ids = mb.input_ids.to(dev)
     temp = mb.temperature.to(dev)
+    if rows is not None:
+        at = rows.to(dev) + 1
+        lp = torch.zeros(mb.num_tokens, dtype=torch.float32, device=dev)
+        return lp.index_put((at,), token_logprobs(logits, ids[at], temp[at]).float())
     lp = token_logprobs(logits[:-1], ids[1:], temp[1:])
     lp = torch.cat([torch.zeros(1, dtype=lp.dtype, device=dev), lp])
     first = torch.zeros(mb.num_tokens, dtype=torch.bool, device=dev)

@@ -52,14 +52,17 @@ class AdamW(torch.optim.AdamW):
         state exists, so the steps that follow are torch's, bit for bit. Returns the bytes."""
         made = 0
         for group in self.param_groups:
-            if group["fused"] or group["capturable"] or group["differentiable"]:
-                continue  # their `step` lives on the device: left to torch
+            if group["capturable"] or group["differentiable"]:
+                continue  # left to torch
             for p in group["params"]:
                 if not p.requires_grad or self.state.get(p):  # (`self.state[p]` would add an entry)
                     continue
                 state = self.state[p]
-                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-                state["step"] = torch.tensor(0.0, dtype=scalar, device="cpu")  # as torch makes it
+                if group["fused"]:  # as torch makes it: fp32, beside the parameter
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                else:
+                    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                    state["step"] = torch.tensor(0.0, dtype=scalar, device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group["amsgrad"]:

@@ -107,13 +107,17 @@ def plan_cost(calls: list[list[Cluster]], lens: list[int], cost: tuple[float, fl
     return total
 
 
-def shared_logits(model: Any, mb: TrainBatch, calls: list[list[Cluster]], device: torch.device) -> torch.Tensor:
+def shared_logits(model: Any, mb: TrainBatch, calls: list[list[Cluster]], device: torch.device,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [N, V] of the micro-batch's packed tokens, computed call by call in the
-    shared layout and gathered back in packed order (a prefix row serves every member)."""
+    shared layout and gathered back in packed order (a prefix row serves every member).
+    `rows` (packed positions): only theirs, [len(rows), V], each call projecting only the
+    layout positions they need onto the vocabulary (`logits_to_keep`)."""
     offs = mb.offsets().tolist()
     lens = mb.seq_lens.tolist()
-    where = torch.empty(mb.num_tokens, dtype=torch.int64)
+    where = torch.full((mb.num_tokens,), -1, dtype=torch.int64)  # -1: laid out by a later call
     parts: list[torch.Tensor] = []
+    picked: list[torch.Tensor] = []  # with `rows`: which of them each call computed
     base = 0
     for cs in calls:
         ids: list[torch.Tensor] = []
@@ -144,9 +148,20 @@ def shared_logits(model: Any, mb: TrainBatch, calls: list[list[Cluster]], device
         at = torch.arange(row)
         allowed = ((b[None, :] == b[:, None]) & (at[None, :] <= at[:, None])
                    & ((mm[None, :] == -1) | (mm[None, :] == mm[:, None])))
+        kw: dict[str, Any] = {}
+        if rows is not None:  # the layout positions this call's rows need
+            need = where[rows]
+            sel = ((need >= base) & (need < base + row)).nonzero().squeeze(1)
+            picked.append(sel)
+            kw["logits_to_keep"] = (need[sel] - base).to(device)
         out = model(input_ids=torch.cat(ids).to(device).unsqueeze(0),
                     position_ids=torch.cat(pos).to(device).unsqueeze(0),
-                    attention_mask=allowed.to(device)[None, None], use_cache=False).logits[0]
+                    attention_mask=allowed.to(device)[None, None], use_cache=False, **kw).logits[0]
         parts.append(out)
         base += row
-    return torch.cat(parts)[where.to(device)]
+    if rows is None:
+        return torch.cat(parts)[where.to(device)]
+    order = torch.cat(picked)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+    return torch.cat(parts)[back.to(device)]

@@ -220,12 +220,17 @@ class LiteCausalLM(nn.Module):
         self.generation_config = SimpleNamespace(eos_token_id=getattr(cfg, "eos_token_id", None))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, use_cache: bool = False, **_: Any) -> SimpleNamespace:
+                attention_mask: torch.Tensor | None = None, use_cache: bool = False,
+                logits_to_keep: torch.Tensor | None = None, **_: Any) -> SimpleNamespace:
+        """`logits_to_keep` as transformers' 1-D form: only these positions (of every row)
+        are projected onto the vocabulary."""
         pos, mask = _mask(input_ids, position_ids, attention_mask)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(x, pos)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
+        if logits_to_keep is not None:
+            x = x[:, logits_to_keep]
         return SimpleNamespace(logits=self.lm_head(self.model.norm(x)))
 
     @classmethod

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from train_cluster.optim import AdamW
@@ -49,14 +50,16 @@ def test_adamw_is_torchs_bit_for_bit_and_their_states_load_into_each_other() -> 
     assert all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), theirs_m.parameters(), strict=True))
 
 
-def test_state_made_before_the_first_step_changes_nothing() -> None:
-    """`init_state` makes what the first `step` would (and nothing for a frozen parameter)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_state_made_before_the_first_step_changes_nothing(fused: bool) -> None:
+    """`init_state` makes what the first `step` would (and nothing for a frozen parameter),
+    for torch's per-tensor update and for its fused one (what the train engine runs)."""
     torch.manual_seed(1)
     xs = [torch.randn(4, 8) for _ in range(4)]
     early_m, lazy_m = _model(), _model()
     early_m[2].bias.requires_grad_(False)
     lazy_m[2].bias.requires_grad_(False)
-    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "fused": fused}
     early, lazy = AdamW(early_m.parameters(), **kw), torch.optim.AdamW(lazy_m.parameters(), **kw)
     assert early.init_state() == 2 * 4 * (8 * 16 + 16 + 16 * 3)
     assert early_m[2].bias not in early.state

@@ -265,6 +265,49 @@ def test_a_groups_shared_prompt_is_computed_once_with_the_same_logits_and_gradie
     assert all(torch.allclose(w[n], w_ref[n], atol=1e-5) for n in w)
 
 
+def test_only_the_losss_positions_are_projected_onto_the_vocabulary(tiny_model_dir, trajs, monkeypatch) -> None:
+    """The vocabulary's projection and softmax run only where a loss token is predicted (t - 1
+    for each token t of the loss mask; prompts and masked answer tokens score nothing), in
+    every layout (shared prompts, packed, padded, split runs), with the logits the full
+    projection gives there; and a train step lands on the weights that scoring every
+    position gives."""
+    from train_cluster import engine as base_engine
+    from train_cluster.torch_engine import _hf_logits
+
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig(mini_batches=1, token_budget=4096))
+    seen: list[int] = []
+    engine._model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[-2]))
+    shared = trajs(n_groups=2, group_size=4, prompt_len=(20, 30), response_len=(4, 9), seed=5, shared_prompt=True)
+    long = trajs(n_groups=1, group_size=1, prompt_len=(20, 20), response_len=(200, 200), seed=4)
+    for name, ts in (("shared", shared), ("padded", trajs()), ("split", [*trajs(seed=3)[:5], *long])):
+        batch = build_batch(ts, LossConfig())
+        mask = batch.loss_mask.clone()
+        mask[batch.offsets()[1:-1] - 2] = 0  # a masked answer token (a tool's output) in each sequence
+        batch = batch.with_(loss_mask=mask)
+        rows = base_engine._scored_rows(batch)
+        want = torch.cat([torch.nonzero(batch.loss_mask[1:] > 0).squeeze(1)])
+        assert torch.equal(rows, want[~torch.isin(want + 1, batch.offsets()[:-1])]), name
+        assert 0 < rows.numel() < batch.num_tokens
+        with torch.no_grad():
+            full = _hf_logits(engine._model, batch, engine.device)
+            seen.clear()
+            part = _hf_logits(engine._model, batch, engine.device, rows=rows)
+        torch.testing.assert_close(part, full[rows], atol=1e-5, rtol=1e-5)
+        if name == "shared":  # one-row layouts project only the positions asked for
+            assert sum(seen) <= rows.numel(), (seen, rows.numel())
+
+    batch = build_batch(shared, LossConfig())
+    ref = TorchTrainEngine(tiny_model_dir, TrainConfig(mini_batches=2, token_budget=4096))
+    engine = TorchTrainEngine(tiny_model_dir, TrainConfig(mini_batches=2, token_budget=4096))
+    stats = engine.train_step(batch)
+    monkeypatch.setattr(base_engine, "_scored_rows", lambda mb: torch.arange(mb.num_tokens - 1))
+    ref_stats = ref.train_step(batch)
+    for k in ("loss", "entropy", "behav_prox_gap", "theta_prox_gap"):
+        assert stats[k] == pytest.approx(ref_stats[k], abs=1e-5), k
+    w, w_ref = dict(engine.named_weights()), dict(ref.named_weights())
+    assert all(torch.allclose(w[n], w_ref[n], atol=1e-6) for n in w)
+
+
 def test_a_batch_of_only_masked_answers_moves_no_weight(tiny_model_dir, trajs) -> None:
     """`train.loss.mask_truncated` with every answer cut: no loss token, zero gradients, and
     Adam's momentum from the step before must not move the weights either."""

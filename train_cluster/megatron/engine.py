@@ -333,8 +333,9 @@ class MegatronTrainEngine(TrainEngine):
 
     # ---- hooks ----------------------------------------------------------------------------------------
 
-    def _forward_logits(self, mb: TrainBatch) -> torch.Tensor:
-        """Right-padded [S, L] batch with a causal mask; padding is sliced away again."""
+    def _forward_logits(self, mb: TrainBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Right-padded [S, L] batch with a causal mask; padding is sliced away again (and
+        with `rows`, every position but theirs)."""
         lens = mb.seq_lens.tolist()
         length = max(lens)
         valid = torch.arange(length)[None, :] < mb.seq_lens[:, None]
@@ -345,7 +346,8 @@ class MegatronTrainEngine(TrainEngine):
         logits = self._model(ids.to(self.device), pos.to(self.device), attention_mask=causal.to(self.device))
         if self.tp > 1:
             logits = _GatherVocab.apply(logits, self.tp_group)
-        return logits[valid.to(self.device)][:, : self.hf_config.vocab_size]
+        logits = logits[valid.to(self.device)][:, : self.hf_config.vocab_size]
+        return logits if rows is None else logits[rows.to(self.device)]
 
     def _train_mode(self, on: bool) -> None:
         self._module.train(on)
