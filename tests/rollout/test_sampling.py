@@ -47,3 +47,24 @@ def test_a_draw_depends_on_seed_and_position_only() -> None:
     # a row's draw does not depend on the batch around it
     one = SamplingBatch([1.0], [0], [1.0], [17], [3], torch.device("cpu"))
     assert sample_tokens(LOGITS[None].clone(), one)[0].item() == a[17].item()
+
+
+def test_the_two_level_search_picks_the_token_one_running_sum_picks() -> None:
+    """`_inverse_cdf` searches block sums, then one block: the token a float64 running sum
+    over the whole vocabulary gives, for any vocabulary size (padded to the block), tokens
+    of weight 0 (truncated, or a whole block of them) and draws at the ends of [0, 1)."""
+    from rollout_cluster.engine.sampling import _inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (6, 256, 1000, 49152):
+        w = torch.rand(64, vocab, generator=g) ** 8
+        w[::3, : vocab // 2] = 0  # a truncated half, whole blocks of zeros
+        w[1::5, 1:] = 0  # a row of one token
+        w[w.sum(-1) == 0, -1] = 1.0  # (rows both made all zero: none is sampled from)
+        u = torch.rand(64, generator=g, dtype=torch.float64)
+        u[:4] = torch.tensor([0.0, 1e-12, 1 - 1e-12, 0.5])
+        cdf = torch.cumsum(w, dim=-1, dtype=torch.float64)
+        want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
+        got = _inverse_cdf(w, u)
+        assert torch.equal(got, want), (vocab, (got != want).nonzero()[:5])
+        assert bool((w.gather(1, got[:, None]) > 0).all()), vocab
