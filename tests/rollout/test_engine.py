@@ -236,6 +236,42 @@ def test_prefix_cache_shares_prompts_and_reuses_previous_turns(tiny_model_dir, h
     assert torch.allclose(lp, torch.tensor(r.logprobs), atol=1e-4)
 
 
+def test_a_shared_preamble_and_an_interrupted_groups_prompt_are_computed_once(tiny_model_dir, hf_model):
+    """Prompts of one chat template share their first tokens: a prefix one computed is found
+    in the cache by the next (a common prefix, not a whole entry). And when a weight update
+    interrupts GRPO groups, each group's prompt is recomputed once with the new weights,
+    not once per answer: same tokens as an engine without a prefix cache, and the logprobs
+    HF gives under each token's version."""
+    preamble = [9 + i % 40 for i in range(24)]
+    prompts = [preamble + p for p in PROMPTS[:3]]
+    engine = make_engine(tiny_model_dir, eos_token_ids=[])
+    nocache = make_engine(tiny_model_dir, eos_token_ids=[], config=CFG.model_copy(update={"prefix_cache": False}))
+    new = perturbed(hf_model, seed=7)
+    for e in (engine, nocache):
+        for g, p in enumerate(prompts):
+            for i in range(4):
+                e.add_request(f"g{g}-{i}", p, SamplingParams(temperature=1.0, max_tokens=12, seed=10 * g + i))
+    done: dict[str, dict[str, GenerateResult]] = {"c": {}, "n": {}}
+    steps(engine, 4, done["c"])
+    steps(nocache, 4, done["n"])
+    first = engine.metrics()["prefill_tokens"]
+    assert first < sum(map(len, prompts)) - 2 * len(preamble) + 3  # the preamble once, not three times
+    for e in (engine, nocache):
+        e.update_weights(new.items(), version=1)
+    recomputed = engine.metrics()["prefill_tokens"] - first
+    in_flight = 12 * (len(preamble) + 3)  # every answer's prompt and its 4 tokens, at least
+    assert recomputed < in_flight / 2, (recomputed, in_flight)
+    done["c"].update(run_all(engine))
+    done["n"].update(run_all(nocache))
+    assert {k: r.token_ids for k, r in done["c"].items()} == {k: r.token_ids for k, r in done["n"].items()}
+    ref = reference_model(tiny_model_dir, new)
+    for g, p in enumerate(prompts):
+        r = done["c"][f"g{g}-1"]
+        assert r.versions[:4] == [0] * 4 and set(r.versions[4:]) == {1}
+        lp = forward_logprobs(ref, p + r.token_ids[:4], r.token_ids[4:], 1.0)
+        assert torch.allclose(lp, torch.tensor(r.logprobs[4:]), atol=1e-4)
+
+
 def test_load_weights_keeps_embeddings_tied_and_rejects_unknown_names(tiny_model_dir, hf_model):
     engine = make_engine(tiny_model_dir)
     new = perturbed(hf_model, seed=3)

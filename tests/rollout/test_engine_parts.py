@@ -53,6 +53,19 @@ def test_prefix_cache_longest_prefix_exact_hits_versions_and_lru():
     assert len(cache) == 2
     cache.clear()
     assert len(cache) == 0 and cache.tokens == 0
+    cache.insert(0, (1, 2, 3, 4, 5), entry(5, logits=True))
+    assert cache.lookup(0, (1, 2, 3, 4, 9))[1] == 4  # a common prefix: the entry need not be one of ids
+    assert cache.lookup(0, (1, 2))[1] == 1  # (the last position's logits are still computed)
+    assert cache.covered(0, (1, 2, 7)) == 2 and cache.covered(1, (1, 2, 7)) == 0
+
+
+def test_common_prefix_len():
+    from rollout_cluster.engine.embedded.cache import common_prefix_len
+
+    for a, b in [((), ()), ((1,), ()), ((1, 2, 3), (1, 2, 3)), ((1, 2, 3), (1, 2)), ((1, 2, 3), (1, 5, 3)),
+                 ((4,), (5,)), (tuple(range(100)), tuple(range(57)) + (0,))]:
+        want = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == common_prefix_len(b, a) == want, (a, b)
 
 
 def test_kv_slots_move_load_and_snapshot():

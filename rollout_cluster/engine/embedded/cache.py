@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVSlots", "PrefixCache", "PrefixEntry"]
+__all__ = ["KVSlots", "PrefixCache", "PrefixEntry", "common_prefix_len"]
 
 
 @dataclass(eq=False)
@@ -75,9 +75,9 @@ class KVSlots:
 class PrefixCache:
     """LRU map `(version, token ids) -> PrefixEntry`, bounded in tokens.
 
-    Lookups find the longest cached prefix. Entries are written for every prefilled
-    prompt and every finished sequence, so the n samples of a GRPO group and the
-    next turn of a multi-turn episode reuse KV.
+    Lookups find the entry sharing the longest prefix. Entries are written for every
+    prefilled prompt and every finished sequence, so the n samples of a GRPO group, the
+    next turn of a multi-turn episode and every prompt of one chat template reuse KV.
     """
 
     def __init__(self, max_tokens: int) -> None:
@@ -106,27 +106,46 @@ class PrefixCache:
             self.tokens -= len(old_ids)
 
     def lookup(self, version: int, ids: tuple[int, ...]) -> tuple[PrefixEntry | None, int]:
-        """Exact entry with logits, else the longest strict prefix; returns (entry, length).
+        """Exact entry with logits, else the entry sharing the longest prefix with `ids`;
+        returns (entry, length).
 
         The length is how many positions of `ids` the entry covers and the model may
         skip: `len(ids)` only for an exact hit with logits (nothing left to compute),
-        otherwise at most `len(ids) - 1` (the last position's logits are needed).
+        otherwise at most `len(ids) - 1` (the last position's logits are needed). An entry
+        need not be a prefix of `ids`: its first positions' KV depends only on its first
+        tokens (causal attention), so a chat template's system turn, common to every
+        prompt, is computed once per version.
         """
         exact = self._entries.get((version, ids))
         if exact is not None and exact.logits is not None:
             self._entries.move_to_end((version, ids))
             return exact, len(ids)
-        best: tuple[tuple[int, tuple[int, ...]], PrefixEntry] | None = None
-        n = len(ids)
-        for key, entry in self._entries.items():
-            v, k_ids = key
-            m = len(k_ids)
-            if v != version or m > n or (best is not None and m <= len(best[0][1])):
-                continue
-            if ids[:m] == k_ids:
-                best = (key, entry)
-        if best is None:
+        best_key, best = None, 0
+        for key in self._entries:
+            if key[0] == version:
+                m = common_prefix_len(ids, key[1])
+                if m > best:
+                    best_key, best = key, m
+        if best_key is None:
             return None, 0
-        self._entries.move_to_end(best[0])
-        # A full-length hit without logits still needs the last position computed.
-        return best[1], min(len(best[0][1]), n - 1)
+        self._entries.move_to_end(best_key)
+        return self._entries[best_key], min(best, len(ids) - 1)
+
+    def covered(self, version: int, ids: tuple[int, ...]) -> int:
+        """How many leading positions of `ids` some entry holds (no LRU change)."""
+        return max((common_prefix_len(ids, k) for v, k in self._entries if v == version), default=0)
+
+
+def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of two token tuples (bisection on slices: C
+    comparisons, not a Python loop per token)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo + 1 < hi:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -279,17 +279,21 @@ class EmbeddedEngine(Engine):
         return self._sample(running, logits)
 
     def _prefill(self, admitted: list[Seq]) -> list[RequestOutput]:
-        """Prefill newly admitted (or resumed) sequences in one padded batch.
+        """Prefill newly admitted (or resumed) sequences, one padded batch per stage.
 
         Identical sequences are computed once and copied; prefix-cache hits start
-        from the cached KV (exact hits with logits skip the model entirely).
+        from the cached KV (exact hits with logits skip the model entirely); a prefix
+        several share is computed in an earlier stage and found there (`prefill_stages`).
         """
-        plan = self.scheduler.plan_prefill(admitted, self._version)
-        logits = self.runner.prefill(self.kv, plan)
-        self.scheduler.finish_prefill(plan, logits, self._version)
-        self.counters.prefill_tokens += plan.computed_tokens
-        self.counters.prefix_cache_hit_tokens += plan.hit_tokens
-        return self._sample(plan.order, logits)
+        outs: list[RequestOutput] = []
+        for stage in self.scheduler.prefill_stages(admitted, self._version):
+            plan = self.scheduler.plan_prefill(stage, self._version)
+            logits = self.runner.prefill(self.kv, plan)
+            self.scheduler.finish_prefill(plan, logits, self._version)
+            self.counters.prefill_tokens += plan.computed_tokens
+            self.counters.prefix_cache_hit_tokens += plan.hit_tokens
+            outs += self._sample(plan.order, logits)
+        return outs
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[RequestOutput]:
         tokens, logprobs = self.runner.sample(seqs, logits)
