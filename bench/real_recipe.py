@@ -64,6 +64,10 @@ def _line(row: dict[str, Any]) -> str:
     parts = [f"rise {_fmt(row['rise'], sign=True)}", f"last {_fmt(row['eval_last'])}",
              f"last/best ≥ {row['kept_of_best_min']:.3f}", f"first step ≤ {row['first_step_s_max']:.0f} s",
              f"end ≤ {row['end_s_max']:.0f} s"]
+    if row.get("server_peak_rss_mb"):
+        parts.append(f"server peak {row['server_peak_rss_mb']:.0f} MB")
+    if row.get("eval_last_s"):
+        parts.append(f"last evaluation {row['eval_last_s']:.1f} s")
     if "vs_recipe_last" in row:
         parts.append(f"vs recipe: last {_fmt(row['vs_recipe_last'], sign=True)}, "
                      f"along the run {_fmt(row['vs_recipe_along_run'], sign=True)}")
@@ -78,6 +82,7 @@ def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
     steps = [r for r in recs if r["kind"] == "train_step"]
     summary = next((r for r in reversed(recs) if r["kind"] == "summary"), {})
     startup = next((r for r in recs if r["kind"] == "startup"), {})
+    last_eval = next((r for r in reversed(recs) if r["kind"] == "eval"), {})
     v0, last = evals[0][1], evals[-1][1]
     best = max(a for _, a in evals)
     tail = steps[-10:]
@@ -97,6 +102,8 @@ def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
         # where a step's time goes (medians over the run's steps; `areal-like report --budget-steps`)
         **{k: _median(steps, f) for k, f in _PHASES.items()},
         "weight_bytes": steps[-1].get("weight_bytes") if steps else None,
+        # the last version's evaluation runs on servers the trainer no longer needs (#44: ≤ 10 s)
+        "eval_last_s": round(last_eval["seconds"], 1) if "seconds" in last_eval else None,
     }
 
 
@@ -222,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "end_s_max": max(r["end_s"] or 0.0 for r in vals),
                "truncated_frac_last10": interval([r["truncated_frac_last10"] or 0.0 for r in vals]),
                **{k: _median_of(vals, k) for k in (*_PHASES, "weight_bytes", "trainer_peak_rss_mb",
-                                                   "server_peak_rss_mb")}}
+                                                   "server_peak_rss_mb", "eval_last_s")}}
         if name != "recipe" and "recipe" in runs:
             base = runs["recipe"]
             common = [s for s in by_seed if s in base]
