@@ -132,8 +132,8 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     """Sample one token per row; return (token ids [N], behaviour logprobs [N]).
 
     `logits` are float32 [N, V] (one row per request). Greedy rows take the argmax. A few
-    passes over the vocabulary: the row's max, exp, the float64 sum (the log-softmax's
-    normaliser, float32), the blocks' sums of `_inverse_cdf`, and the truncation where asked for.
+    passes over the vocabulary: the row's max, exp, its sum (the log-softmax's normaliser),
+    the blocks' sums of `_inverse_cdf`, and the truncation where asked for.
     """
     logits = logits.float()
     temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)

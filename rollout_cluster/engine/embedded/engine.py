@@ -303,7 +303,6 @@ class EmbeddedEngine(Engine):
         return outs
 
 
-
 def _trim_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; elsewhere a no-op).
 
