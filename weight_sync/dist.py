@@ -787,6 +787,10 @@ class DistWeightReceiver(WeightReceiver):
             log.error("receiver %s keeps its weights: %s", self.receiver_id, e)
             raise
         except Exception as e:  # store/socket errors of every kind become one clear error
+            # A group kept open after a failure holds the other members' collectives until
+            # their timeout (a ring waits on this member): tear it down now, marked broken
+            # for a sender that is still there (it rebuilds the group at its next transfer).
+            self._abandon_group()
             stats.error = f"{type(e).__name__}: {e}"
             log.error(
                 "receiver %s keeps its weights: v%d not received: %s", self.receiver_id, meta.version, e
@@ -982,6 +986,14 @@ class DistWeightReceiver(WeightReceiver):
             _abort(self._group)
             self._group = None
             self._generation = None
+
+    def _abandon_group(self) -> None:
+        if self._group is not None and self._ctl is not None:
+            try:
+                self._ctl.add(f"gen{self._generation}/broken", 1)
+            except Exception as e:  # the sender (and its store) may be gone: nothing to tell
+                log.debug("weight receiver %s: broken group not recorded: %s", self.receiver_id, e)
+        self._drop_group()
 
     def _disconnect(self) -> None:
         self._drop_group()
