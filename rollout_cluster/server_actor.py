@@ -109,6 +109,10 @@ class ServerActor:
         return await self.server.generate(request_id=request_id, prompt_ids=prompt_ids,
                                           sampling_params=sampling_params)
 
+    async def abort(self, request_ids: list[str]) -> int:
+        """Stop generating these requests (their callers were cancelled); how many were found."""
+        return len(await self.server.abort(request_ids))
+
     async def join_weights(self, rendezvous: str) -> None:
         await self.server.join_weights(rendezvous)
 

@@ -107,9 +107,17 @@ class ActorServer:
     async def generate(
         self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
     ) -> GenerateResult:
-        return await self.handle.generate.remote(
-            request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
-        )
+        """A cancelled call aborts its request in the server: neither launcher carries a
+        caller's cancellation to the actor's process, and a request nobody awaits would
+        hold a batch slot until its last token (a run's last evaluation queued behind the
+        training answers its end had cancelled)."""
+        try:
+            return await self.handle.generate.remote(
+                request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+            )
+        except asyncio.CancelledError:
+            self.handle.abort.remote([request_id])  # fire and forget: the caller is gone
+            raise
 
 
 RayServer = ActorServer
