@@ -183,7 +183,7 @@ def run_cli(config: str, sets: list[str], run_dir: Path, *, env: dict[str, str] 
 
 _BURN = """
 import sys, time
-share, period = float(sys.argv[1]), 0.05
+share, period = float(sys.argv[1]), float(sys.argv[2])
 while True:  # busy for share x period of CPU time, then idle for the rest of the period
     t, c = time.perf_counter(), time.process_time()
     while time.process_time() - c < share * period:
@@ -193,14 +193,19 @@ while True:  # busy for share x period of CPU time, then idle for the rest of th
 
 
 @contextmanager
-def background_load(cores: float) -> Iterator[None]:
+def background_load(cores: float, *, bursty: bool = False) -> Iterator[None]:
     """A known load while inside: processes that keep `cores` cores busy in all (each
-    busy a share of every 50 ms, at most one core each); nothing for 0."""
+    busy a share of every 50 ms, at most one core each); nothing for 0. `bursty`: one
+    process, a whole core for 0.5 s, then nothing for 0.5 s (`cores` is ignored)."""
+    if bursty:
+        loads = [(0.5, 1.0)]
+    else:
+        n = math.ceil(cores) if cores > 0 else 0
+        loads = [(cores / n, 0.05)] * n if n else []
     procs = []
-    n = math.ceil(cores) if cores > 0 else 0
     try:
-        for _ in range(n):
-            procs.append(subprocess.Popen([sys.executable, "-c", _BURN, str(cores / n)],
+        for share, period in loads:
+            procs.append(subprocess.Popen([sys.executable, "-c", _BURN, str(share), str(period)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         yield
     finally:

@@ -36,7 +36,8 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
     "cost_curves": ("cost curves", ["sizes.*.params_m", "fit.step_s.slope", "fit.publish_s.slope",
                                     "fit.rss_mb_train-0.slope", "fit.rss_mb_driver.slope"],
                     "python bench/cost_curves.py", None),
-    "async_vs_sync": ("async vs sync", ["speedup_eta2_vs_eta0", "fraction_of_overlap_ideal"],
+    "async_vs_sync": ("async vs sync", ["speedup_eta2_vs_eta0", "fraction_of_overlap_ideal", "speedup_by_eta.*",
+                                        "samples_per_s_non_decreasing_3pct"],
                       "python bench/async_vs_sync.py", None),
     "engine": ("engine vs HF `generate`", ["speedup_vs_hf_at_32", "pause_resume_latency_s"],
                "python bench/engine.py", OLD_SUMMARY),
@@ -85,11 +86,11 @@ def benchmarks(root: Path = ROOT) -> list[str]:
 
 
 def workload(rec: dict[str, Any]) -> str | None:
-    """The config, workload or engine a record ran (`--config X`, `--workload X` or `--engine X`),
-    None for the default: a benchmark run on several (the toy and a real model) gets a row
-    for each."""
+    """The config, workload, engine or background load a record ran (`--config X`, `--workload X`,
+    `--engine X` or `--background X`), None for the default: a benchmark run on several (the toy
+    and a real model, quiet and beside a bursty load) gets a row for each."""
     words = str(rec.get("command", "")).split()
-    for flag in ("--config", "--workload", "--engine"):
+    for flag in ("--config", "--workload", "--engine", "--background"):
         if flag in words[:-1]:
             return words[words.index(flag) + 1]
     return None

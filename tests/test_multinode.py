@@ -12,7 +12,7 @@ import pytest
 from areal_like.core.config import load_config
 from areal_like.core.metrics import read_jsonl
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # a two-node Ray cluster (~20 s of Ray start-up)
 
 
 @pytest.fixture

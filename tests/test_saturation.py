@@ -93,6 +93,7 @@ def _run(tiny_model_dir: Path, run_dir: Path, reward: Path, *sets: str) -> list[
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
+@pytest.mark.slow  # two whole runs (~40 s): the default suite keeps the sizer's own tests and the bench smoke
 @pytest.mark.timeout(600)
 def test_mostly_uniform_rewards_grown_groups_waste_less_and_fill_every_batch(tiny_model_dir, tmp_path) -> None:
     reward = tmp_path / "mostly_one.py"

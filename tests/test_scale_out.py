@@ -100,6 +100,7 @@ def _back_in_rotation(metrics: Path) -> bool:
     return bool(restarts) and any(r.get("servers") == 2 for r in recs[restarts[0]:])
 
 
+@pytest.mark.slow  # ~40 s; the default suite keeps the restart of the only server (below)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_killed_server_process_is_restarted_with_the_served_version(tiny_model_dir, tmp_path, launcher) -> None:
     """SIGKILL one server's process while it generates: its episodes move to the other
@@ -166,6 +167,7 @@ def test_a_pool_that_cannot_place_its_servers_is_refused_before_anything_starts(
         check_pools(cfg)
 
 
+@pytest.mark.slow  # a device other than cpu starts Ray (~15 s)
 def test_a_server_that_cannot_start_fails_the_start_with_one_line_naming_it(tiny_model_dir, tmp_path) -> None:
     """An engine device the server process cannot use (`mps` on a Linux CPU build of
     torch; the config accepts any torch device name): the CLI's error line names the
