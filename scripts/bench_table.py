@@ -40,7 +40,7 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
                                         "samples_per_s_non_decreasing_3pct"],
                       "python bench/async_vs_sync.py", None),
     "engine": ("engine vs HF `generate`", ["speedup_vs_hf_at_32", "pause_resume_latency_s"],
-               "python bench/engine.py", OLD_SUMMARY),
+               "python bench/engine.py", None),
     "interrupt": ("interrupt modes", ["recompute.tok_s", "recompute.logprob_err_max", "keep.logprob_err_max"],
                   "python bench/interrupt.py", OLD_SUMMARY),
     "long_tail_loop": ("long-tail loop", ["episode_s_max_over_median", "generated_tokens_per_s"],
