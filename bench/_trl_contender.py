@@ -164,6 +164,7 @@ def main() -> None:
         epsilon=cfg.train.loss.eps_clip,
         loss_type="dapo",  # token-level mean over the batch, like ours (loss.agg=token_mean)
         scale_rewards="group",  # group std normalisation, like ours (loss.adv_std_norm)
+        mask_truncated_completions=cfg.train.loss.mask_truncated,  # the same knob under TRL's name
         max_steps=args.max_steps,
         logging_steps=1,
         save_strategy="no",

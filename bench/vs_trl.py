@@ -455,7 +455,7 @@ def main() -> None:
             "trl_lr": args.trl_lr if args.trl_lr is not None else ev.cfg.train.lr,
             "save_every": args.save_every,
             "trl_setup": f"GRPOTrainer, HF generate, {args.threads} torch threads, loss dapo, scale_rewards group, beta 0, "
-                   "gradient_checkpointing off",
+                   f"mask_truncated_completions {ev.cfg.train.loss.mask_truncated}, gradient_checkpointing off",
             "torch": torch.__version__, "trl_version": _trl_version(), "transformers": transformers.__version__,
             "cpu_count": os.cpu_count(),
         },
