@@ -107,8 +107,9 @@ class ActorServer:
     async def generate(
         self, *, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams
     ) -> GenerateResult:
-        """A cancelled call aborts its request in the server: neither launcher carries a
-        caller's cancellation to the actor's process, and a request nobody awaits would
+        """A cancelled call aborts its request in the server: the local launcher does not
+        carry a caller's cancellation to the actor's process (nor is Ray relied on to),
+        and a request nobody awaits would
         hold a batch slot until its last token (a run's last evaluation queued behind the
         training answers its end had cancelled)."""
         try:
