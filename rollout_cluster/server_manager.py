@@ -109,9 +109,8 @@ class ActorServer:
     ) -> GenerateResult:
         """A cancelled call aborts its request in the server: the local launcher does not
         carry a caller's cancellation to the actor's process (nor is Ray relied on to),
-        and a request nobody awaits would
-        hold a batch slot until its last token (a run's last evaluation queued behind the
-        training answers its end had cancelled)."""
+        and a request nobody awaits would hold a batch slot until its last token (a run's
+        last evaluation queued behind the training answers its end had cancelled)."""
         try:
             return await self.handle.generate.remote(
                 request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
