@@ -178,3 +178,30 @@ def test_bench_table_shows_the_last_real_record(tmp_path: Path) -> None:
     assert _bench_table("--doc", str(doc), "--results", str(results)).returncode == 0
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| vs TRL") and "abc1234" in line]
     assert len(rows) == 2 and "**2.2**" in rows[0] and rows[1].startswith("| vs TRL: smollm2 |") and "**1.6**" in rows[1]
+    # and one beside a bursty neighbour (#44 item 5): a row of its own, with the 3 % bar's flag
+    quiet = {**base, "smoke": False, "speedup_eta2_vs_eta0": 1.8, "command": "python bench/async_vs_sync.py --etas 0,1,2,4"}
+    bursty = {**quiet, "speedup_eta2_vs_eta0": 1.9, "samples_per_s_non_decreasing_3pct": False,
+              "command": "python bench/async_vs_sync.py --etas 0,1,2,4 --background bursty"}
+    (results / "async_vs_sync.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (quiet, bursty)))
+    assert _bench_table("--doc", str(doc), "--results", str(results)).returncode == 0
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| async vs sync") and "abc1234" in line]
+    assert len(rows) == 2 and "**1.8**" in rows[0] and rows[1].startswith("| async vs sync: bursty |"), rows
+    assert "`samples_per_s_non_decreasing_3pct` **false**" in rows[1], rows
+
+
+def test_the_bursty_neighbour_takes_a_core_half_of_each_second() -> None:
+    """`bench/async_vs_sync.py --background bursty`'s load: one process, busy 0.5 s of CPU,
+    then idle 0.5 s (its CPU time over 2.5 s is about half of it, never a whole core)."""
+    import psutil
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _runs import background_load
+
+    with background_load(0, bursty=True):
+        time.sleep(0.2)
+        (child,) = psutil.Process().children()
+        t0 = child.cpu_times()
+        time.sleep(2.5)
+        t1 = child.cpu_times()
+    used = (t1.user + t1.system) - (t0.user + t0.system)
+    assert 0.6 <= used <= 1.9, used  # ~1.25 s of a 2.5 s window: neither idle nor a steady core
