@@ -109,7 +109,7 @@ def read_run(run_dir: Path, t_command: float | None = None) -> dict[str, Any]:
 
 _PHASES = {"step_s": "budget_wall_s", "fwd_bwd_s": "budget_train_fwd_bwd_s", "optimizer_s": "budget_train_optimizer_s",
            "wait_data_s": "budget_wait_data_s", "publish_s": "weight_sync_s",
-           "server_weights_s": "rollout_budget_weights_s"}
+           "server_weights_s": "rollout_budget_weights_s", "server_reprefill_s": "rollout_budget_reprefill_s"}
 
 
 def _median(steps: list[dict[str, Any]], key: str) -> float | None:

@@ -126,6 +126,7 @@ class RolloutServer:
             "http_errors": 0.0,
             "requests_refused": 0.0,
             "weight_update_seconds_total": 0.0,
+            "weight_reprefill_seconds_total": 0.0,
             "held_seconds_total": 0.0,
         }
         self._held_since: float | None = None
@@ -246,11 +247,9 @@ class RolloutServer:
 
     async def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Load a new version; in-flight generate calls continue (per interrupt mode)."""
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), self._reprefill_s()
         await self.engine.update_weights(named_tensors, version)
-        dt = time.perf_counter() - t0
-        self.counters["weight_update_seconds_total"] += dt
-        logger.info("loaded weights version %d in %.3fs", version, dt)
+        logger.info("loaded weights version %d in %s", version, self._count_weights(t0, before))
 
     async def hold(self, on: bool) -> None:
         """`cluster.colocate`: pause the engine for the trainer's step (a vLLM engine on
@@ -283,11 +282,24 @@ class RolloutServer:
             await asyncio.to_thread(self._receiver.join, rendezvous)
             self._joined = rendezvous
 
+    def _reprefill_s(self) -> float:
+        return float(self.engine.metrics().get("reprefill_s_total", 0.0))
+
+    def _count_weights(self, t0: float, reprefill_before: float) -> str:
+        """Split a weight update's seconds into receive + load (until the new version is
+        served: `weight_update_seconds_total`) and the re-prefill of the answers it
+        interrupted (`weight_reprefill_seconds_total`); the log line's text."""
+        dt = time.perf_counter() - t0
+        reprefill = min(dt, max(0.0, self._reprefill_s() - reprefill_before))
+        self.counters["weight_update_seconds_total"] += dt - reprefill
+        self.counters["weight_reprefill_seconds_total"] += reprefill
+        return f"{dt:.3f}s (serving it after {dt - reprefill:.3f}s; {reprefill:.3f}s re-prefilling the answers in flight)"
+
     async def receive_weights(self, meta: Any, rendezvous: str | None = None) -> int:
         """Receive version `meta.version` from the trainer and load it (in-flight requests
         interrupted, KV dropped and re-prefilled per `interrupt_mode`). A failed receive
         raises `WeightSyncError` and leaves the server on its old version, serving."""
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), self._reprefill_s()
         if self.engine.receives_weights:  # vLLM: every worker is a member and loads in place
             version = await self.engine.receive_weights(meta, rendezvous, self._receiver_name,
                                                         self._receive_timeout_s)
@@ -329,9 +341,7 @@ class RolloutServer:
                 await self.engine.update_weights(list(tensors), version)
         if version == meta.version:  # loaded (or served already): the epoch of what is served
             self.weights_epoch = int(meta.epoch)
-        dt = time.perf_counter() - t0
-        self.counters["weight_update_seconds_total"] += dt
-        logger.info("received and loaded weights version %d in %.3fs", version, dt)
+        logger.info("received and loaded weights version %d in %s", version, self._count_weights(t0, before))
         return version
 
     async def export_weights(self) -> list[tuple[str, Any]]:

@@ -355,7 +355,10 @@ class RolloutSeconds(_Strict):
     engine_idle: float = 0.0
     """The servers' engines had nothing to step (not counting holds), summed."""
     weights: float = 0.0
-    """The servers receiving and loading weights, summed."""
+    """The servers receiving and loading weights until each serves the new version, summed."""
+    reprefill: float = 0.0
+    """The servers re-prefilling, with a new version, the answers its load interrupted, summed
+    (the embedded engine; vLLM re-prefills in its own schedule, counted in `generate`)."""
     agent_loop: float = 0.0
     """Episodes in their agent loop outside generate calls and tool calls, summed over
     episodes (loops that report `generate_s`: the built-in ones)."""

@@ -303,6 +303,7 @@ class RolloutSide:
             seconds=RolloutSeconds(generate=total("engine_step_seconds_total"),
                                    engine_idle=total("engine_idle_seconds_total"),
                                    weights=total("weight_update_seconds_total"),
+                                   reprefill=total("weight_reprefill_seconds_total"),
                                    agent_loop=episodes.get("agent_loop", 0.0), tools=episodes.get("tools", 0.0),
                                    reward=episodes.get("reward", 0.0)),
             rollout_cpu_s=cpu,

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 RETIRED_COUNTERS = frozenset({
     "generated_tokens", "engine_step_seconds_total", "engine_idle_seconds_total", "weight_update_seconds_total",
-    "held_seconds_total", "process_cpu_s", "borrowed_thread_s", "interrupts", "interrupted_tokens",
+    "weight_reprefill_seconds_total", "held_seconds_total", "process_cpu_s", "borrowed_thread_s", "interrupts", "interrupted_tokens",
     "recompute_tokens"})
 """A server's cumulative counters: a drained server's are kept (`ServerPool.retired`), so
 the rollout side's totals never go back when the pool shrinks."""

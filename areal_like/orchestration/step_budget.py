@@ -49,7 +49,8 @@ TRAINER_PHASES: tuple[tuple[str, str], ...] = (
 ROLLOUT_PHASES: tuple[tuple[str, str, str], ...] = (
     ("generate", "generate_seconds_total", "generate (engine steps)"),
     ("engine_idle", "engine_idle_seconds_total", "engine idle"),
-    ("weights", "weights_seconds_total", "receive + load weights"),
+    ("weights", "weights_seconds_total", "receive + load weights (until served)"),
+    ("reprefill", "reprefill_seconds_total", "re-prefill the answers a load interrupted"),
     ("held", "rollout_held_s", "held for the trainer (colocate)"),
     ("agent_loop", "agent_loop_seconds_total", "agent loop (its own, and its turn on the event loop)"),
     ("tools", "tools_seconds_total", "tool calls"),
@@ -65,7 +66,7 @@ step. They overlap (servers and episodes run side by side), so they do not add u
 the wall interval the way the trainer's phases do."""
 
 ROLLOUT_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("servers", "rollout servers (Σ servers)", ("generate", "engine_idle", "weights", "held")),
+    ("servers", "rollout servers (Σ servers)", ("generate", "engine_idle", "weights", "reprefill", "held")),
     ("controller", "rollout controller", ("send", "wait_gate", "wait_concurrency", "wait_weights")),
     ("episodes", "episodes (Σ episodes, side by side)", ("agent_loop", "tools", "reward")),
 )

@@ -82,13 +82,14 @@ def test_generate_returns_once_across_updates_and_arrivals_wait(tiny_model_dir, 
     assert all(min(r.versions) >= 1 for r in during)  # queued during the update, ran on new weights
     assert m["interrupts"] == 2 and m["recompute_tokens"] > 0
     assert sum(r.num_interrupts > 0 for r in first) >= 2
+    assert 0 < m["reprefill_s_total"] <= m["pause_resume_latency_s_total"]
 
 
 def test_wait_mode_calls_never_mix_versions(tiny_model_dir, hf_model):
     results, m = asyncio.run(_scenario(tiny_model_dir, hf_model, "wait"))
     assert all(len(set(r.versions)) == 1 for r in results)
     assert len({r.versions[0] for r in results}) >= 2  # updates did happen between calls
-    assert m["interrupts"] == 0
+    assert m["interrupts"] == 0 and m["reprefill_s_total"] == 0
 
 
 def test_abort_cancel_errors_and_close(tiny_model_dir):

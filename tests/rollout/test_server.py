@@ -50,6 +50,33 @@ def test_in_process_generate_update_metrics_and_refusals(tiny_model_dir):
     asyncio.run(main())
 
 
+def test_a_weight_load_counts_its_re_prefill_apart(tiny_model_dir):
+    """A version's load counts until the server serves it (`weight_update_seconds_total`);
+    re-prefilling the answers it interrupted counts apart (`weight_reprefill_seconds_total`),
+    and the log line says both."""
+
+    async def main():
+        server = make_server(tiny_model_dir)
+        weights = [(n, p.detach().clone()) for n, p in server.engine.engine.model.named_parameters()]
+        await server.update_weights(weights, 1)  # nothing in flight: nothing to re-prefill
+        m = server.metrics()
+        assert m["weight_update_seconds_total"] > 0 and m["weight_reprefill_seconds_total"] == 0
+        sp = SamplingParams(max_tokens=120, seed=1, ignore_eos=True)
+        answer = asyncio.create_task(server.generate(request_id="long", prompt_ids=[5, 6, 7], sampling_params=sp))
+        while server.metrics()["generated_tokens"] < 3:
+            await asyncio.sleep(0.001)
+        await server.engine.pause()  # the answer stays in its slot, mid-way
+        await server.update_weights(weights, 2)
+        await server.engine.resume()
+        r = await answer
+        m = server.metrics()
+        assert set(r.versions) == {1, 2} and m["recompute_tokens"] > 0
+        assert m["weight_reprefill_seconds_total"] > 0 and m["weight_update_seconds_total"] > 0
+        await server.close()
+
+    asyncio.run(main())
+
+
 def test_openai_pure_translation():
     sp = sampling_from_openai({"model": "m", "max_tokens": 7, "temperature": 0.5, "top_k": 3, "seed": 1})
     assert (sp.max_tokens, sp.temperature, sp.top_k, sp.seed) == (7, 0.5, 3, 1)

@@ -213,7 +213,9 @@ class EmbeddedEngine(Engine):
             self._set_version(version)
             _trim_heap()  # the dropped KV and the load's buffers go back to the OS
             if self.interrupt_mode == "recompute" and inflight:
+                t1 = time.perf_counter()
                 outs += self._reprefill(inflight)
+                self.counters.reprefill_s_total += time.perf_counter() - t1
         finally:
             self._paused = False
         self.counters.record_pause(time.perf_counter() - t0)
