@@ -52,7 +52,7 @@ if [[ $parts == *real* ]]; then
   run configs/smollm2.yaml real_colocate 120 "${real[@]}" cluster.colocate=true rollout.engine.device=cuda
   run configs/smollm2.yaml real_colocate_bf16 120 "${real[@]}" cluster.colocate=true rollout.engine.device=cuda \
     model.dtype=bfloat16
-  run configs/smollm2.yaml real_two_pools 120 "${real[@]}" cluster.rollout_pool.num_cpus=8 rollout.engine.threads=8
+  run configs/smollm2.yaml real_two_pools 180 "${real[@]}" cluster.rollout_pool.num_cpus=8 rollout.engine.threads=8
   names=(real_colocate real_colocate_bf16 real_two_pools)
   for n in "${names[@]}"; do
     python3 -m areal_like.orchestration.cli report "/tmp/runs/$n" --budget-steps 5:30 > "/tmp/runs/$n/report_stdout.txt" 2>&1
