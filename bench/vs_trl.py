@@ -17,6 +17,11 @@ Two workloads (`--workload`):
   another). Target 0.8 on the recipe's 64 held-out rows. Weights are saved every 2nd step
   by both (538 MB each: the disk holds no more), and evaluated and deleted after each run.
 
+Both contenders stop early the same way (`--trl-stop-margin`, `--trl-extra-steps`): 10 steps
+after the mean train reward of their last 5 steps reaches target + 0.03. TRL's callback does
+it in its process; ours gets one SIGINT (an orderly stop) once its console's reward over all
+groups does (its "trained" reward counts only the groups with a reward spread).
+
 They run one after the other (alternating with --repeats) on the same 2 cores: ours as a
 user starts it (`areal-like run CONFIG`: its launcher, rollout 1 thread + train 1 thread),
 TRL in one process with `torch.set_num_threads(2)`.
@@ -57,7 +62,9 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -195,9 +202,13 @@ class CpuMonitor:
         }
 
 
-def _run_logged(cmd: list[str], tag: str, env: dict[str, str], log_file: Path) -> tuple[int, dict[str, float], float]:
-    """Run `cmd`, echoing its output to stderr with a tag, while accounting CPU."""
+def _run_logged(cmd: list[str], tag: str, env: dict[str, str], log_file: Path,
+                stop: RewardStop | None = None) -> tuple[int, dict[str, float], float]:
+    """Run `cmd`, echoing its output to stderr with a tag, while accounting CPU. With
+    `stop`, the process gets one SIGINT (an orderly stop) once `stop` says so; its exit
+    code 130 then counts as 0."""
     t_launch = time.time()
+    interrupted = False
     with log_file.open("w") as lf:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
@@ -207,9 +218,39 @@ def _run_logged(cmd: list[str], tag: str, env: dict[str, str], log_file: Path) -
             lf.write(line)
             if _interesting(line):
                 print(f"[{tag}] {line.rstrip()}", file=sys.stderr, flush=True)
+            if stop is not None and not interrupted and stop.feed(line):
+                print(f"[{tag}] {stop.why}: stopping it (SIGINT)", file=sys.stderr, flush=True)
+                proc.send_signal(signal.SIGINT)
+                interrupted = True
         rc = proc.wait()
         cpu = mon.stop()
-    return rc, cpu, t_launch
+    return (0 if interrupted and rc == 130 else rc), cpu, t_launch
+
+
+class RewardStop:
+    """TRL's early stop (bench/_trl_contender.py `--stop-reward`) applied to our console:
+    once the mean reward over all groups of the last 5 steps reaches `reward`, the run
+    goes `extra` more steps. Our train reward counts only the groups it trains on (those
+    with a reward spread), so the console's "all groups" figure is the one TRL's matches."""
+
+    STEP = re.compile(r"^step (\d+)/\d+\s+reward [\d.]+ trained, ([\d.]+) all groups")
+
+    def __init__(self, reward: float, extra: int) -> None:
+        self.reward, self.extra = reward, extra
+        self.tail: list[float] = []
+        self.stop_at: int | None = None
+        self.why = ""
+
+    def feed(self, line: str) -> bool:
+        m = self.STEP.match(line.strip())
+        if not m:
+            return False
+        step = int(m[1])
+        self.tail = [*self.tail[-4:], float(m[2])]
+        if self.stop_at is None and len(self.tail) == 5 and sum(self.tail) / 5 >= self.reward:
+            self.stop_at = step + self.extra
+            self.why = f"reward over all groups reached {self.reward} at step {step}; stopped at step {self.stop_at}"
+        return self.stop_at is not None and step >= self.stop_at
 
 
 def _interesting(line: str) -> bool:
@@ -260,7 +301,9 @@ def run_ours(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "areal_like.orchestration.cli", "run", str(args.config), "--overwrite"]
     for x in sets:
         cmd += ["--set", x]
-    rc, cpu, t_launch = _run_logged(cmd, "ours", _contender_env(), d / "log.txt")
+    stop = (RewardStop(min(1.0, args.target + args.trl_stop_margin), args.trl_extra_steps)
+            if args.trl_stop_margin is not None else None)
+    rc, cpu, t_launch = _run_logged(cmd, "ours", _contender_env(), d / "log.txt", stop)
     if rc != 0:
         raise RuntimeError(f"our contender failed (rc {rc}); see {d / 'log.txt'}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -332,8 +375,8 @@ def main() -> None:
     ap.add_argument("--trl-max-steps", type=int, default=None)
     ap.add_argument("--trl-max-seconds", type=float, default=1200.0)
     ap.add_argument("--trl-stop-margin", type=float, default=0.03,
-                    help="TRL stops --trl-extra-steps after its last-5-step train reward reaches target+margin "
-                         "(negative: never early)")
+                    help="each contender stops --trl-extra-steps after its last-5-step train reward (ours: over all "
+                         "groups) reaches target+margin (negative: never early)")
     ap.add_argument("--trl-extra-steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process (ours: 1 + 1)")
     ap.add_argument("--eval-n", type=int, default=None)
