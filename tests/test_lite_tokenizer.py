@@ -42,6 +42,9 @@ def test_ids_text_and_special_tokens_are_transformers(pair) -> None:
                  "bos_token_id", "vocab_size", "chat_template"):
         assert getattr(lite, attr) == getattr(hf, attr), attr
     assert len(lite) == len(hf)
+    assert set(lite.all_special_tokens) == set(hf.all_special_tokens)
+    assert {i: (t.content, t.special) for i, t in lite.added_tokens_decoder.items()} == \
+        {i: (t.content, t.special) for i, t in hf.added_tokens_decoder.items()}
     assert lite.convert_tokens_to_ids(["<tool_call>", "no such token", "a"]) == \
         hf.convert_tokens_to_ids(["<tool_call>", "no such token", "a"])
     rng = random.Random(0)
@@ -102,3 +105,19 @@ def test_a_library_that_requires_transformers_class_gets_it() -> None:
     hf = load_tokenizer(QUICKSTART, hf=True)
     assert isinstance(hf, PreTrainedTokenizerBase) and hf.encode("1+2") == load_tokenizer(QUICKSTART).encode("1+2")
     assert "load_tokenizer(model_path, hf=True)" in (QUICKSTART.parents[2] / "bench" / "_trl_contender.py").read_text()
+
+
+def test_the_end_of_turn_of_a_turn_is_found_without_transformers() -> None:
+    """Every agent-loop turn asks for the template's end-of-turn token; on our tokenizer that
+    must not import transformers (1-2 s in the rollout controller, before its first group)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from areal_like.models.tiny_model import load_tokenizer; "
+            "from areal_like.models.fetch import end_of_turn_ids; "
+            f"tok = load_tokenizer({str(QUICKSTART)!r}); print(end_of_turn_ids(tok), tok.eos_token_id, "
+            "'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["(3,)", "3", "False"], out.stdout

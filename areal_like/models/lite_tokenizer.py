@@ -8,7 +8,7 @@ The zygote preloaded them before it forked any actor, so every actor and the fir
 step waited for them (docs/design.md §10.33). `LiteTokenizer` answers what the loop asks
 of a tokenizer, with the same ids and text as transformers' class:
 - `encode` and `decode`, `convert_tokens_to_ids`;
-- the special tokens and their ids, and `len()`;
+- the special tokens and their ids (`all_special_tokens`, `added_tokens_decoder`), and `len()`;
 - `apply_chat_template`, rendered in the jinja2 environment transformers sets up
   (sandboxed, `trim_blocks`/`lstrip_blocks`, `loopcontrols`, `tojson`, `raise_exception`,
   `strftime_now`);
@@ -74,6 +74,8 @@ class LiteTokenizer:
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         cfg = json.loads((folder / "tokenizer_config.json").read_text())
         self._special = {k: _token(cfg.get(k)) for k in _SPECIAL_KEYS}
+        extra = cfg.get("extra_special_tokens") or cfg.get("additional_special_tokens") or []
+        self._extra = [t for t in map(_token, extra if isinstance(extra, list) else extra.values()) if t]
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
         self.model_max_length = cfg.get("model_max_length")
         jinja = folder / "chat_template.jinja"
@@ -100,6 +102,16 @@ class LiteTokenizer:
     eos_token_id = property(lambda self: self._id(self.eos_token))
     unk_token_id = property(lambda self: self._id(self.unk_token))
     pad_token_id = property(lambda self: self._id(self.pad_token))
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The named special tokens, then the extra ones (transformers' set)."""
+        return list(dict.fromkeys([*(v for v in self._special.values() if v), *self._extra]))
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        """Added tokens by id, each with its `content` and `special` flag, as transformers'."""
+        return dict(self._tok.get_added_tokens_decoder())
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
         if isinstance(tokens, str):
