@@ -8,6 +8,7 @@ cannot place its servers, or a server that cannot start, stops the start with on
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,8 +189,9 @@ def test_a_server_that_cannot_start_fails_the_start_with_one_line_naming_it(tiny
 def test_the_only_server_killed_is_restarted_and_asks_the_trainer_for_the_served_version(
         tiny_model_dir, tmp_path) -> None:
     """One server, SIGKILLed mid-run: no sibling to copy the served version from, so the
-    restarted server waits out of rotation and says so; the trainer, starved of data,
-    sends its current version again; the server loads it, comes back, the run ends."""
+    restarted server waits out of rotation and says so; the trainer sends it a version (its
+    current one again once starved of data, or its next); the server loads it, comes back,
+    the run ends."""
     from areal_like.orchestration.launch import run_both
 
     run_dir = tmp_path / "run"
@@ -209,5 +211,11 @@ def test_the_only_server_killed_is_restarted_and_asks_the_trainer_for_the_served
     _ends_as_configured(run_dir, summary, 8)
     recs = list(read_jsonl(run_dir / "metrics.jsonl"))
     assert max(r.get("server_restarts", 0) for r in recs) == 1
-    assert max(r.get("servers_waiting_for_weights", 0) for r in recs) == 1, "the wait was never reported"
+    # The wait is said in the log. The reports' gauge of waiting servers is sampled: a wait
+    # shorter than a report interval (the trainer's next version came at once) can miss it.
+    log_text = (run_dir / "run.log").read_text()
+    assert re.search(r"server-0: no live server to copy v\d+ from; it asks the trainer for it", log_text), \
+        "the wait was never said"
+    assert "rollout server server-0 is back in rotation (restart 1)" in log_text
+    assert max(r.get("servers_waiting_for_weights", 0) for r in recs) <= 1
     assert summary.get("over_stale", 0) == 0, summary
