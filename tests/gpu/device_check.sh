@@ -29,7 +29,7 @@ else
   export PYTHONPATH=$PWD
 fi
 
-run() {  # config, name, then --set pairs: a run on CUDA under the local launcher
+run() {  # config, name, time limit (s), then --set pairs: a run on CUDA under the local launcher
   local config=$1 name=$2 limit=$3; shift 3
   echo "== run $name"
   local args=()
