@@ -35,10 +35,15 @@ def _group(gid: str, rewards: list[float], version: int = 0) -> TrajectoryGroup:
 
 def test_the_sizer_doubles_while_most_groups_are_uniform_and_halves_back() -> None:
     s = GroupSizer(base=4, largest=16, window=4)
-    for _ in range(3):
-        s.ended(4, [1.0] * 4)
+    for rewards in ([1.0] * 4, [1.0] * 4, [1.0, 0.0, 1.0, 1.0]):
+        s.ended(4, rewards)
     assert s.size == 4  # not before a whole window
-    s.ended(4, [1.0, 0.0, 1.0, 1.0])
+    s.ended(4, [0.0, 0.0, 1.0, 1.0])
+    assert s.size == 4  # 2 of 4 uniform: half is not enough while the policy still learns
+    s.ended(4, [1.0] * 4)
+    s.ended(4, [0.0] * 4)
+    assert s.size == 4  # still 2 of the last 4
+    s.ended(4, [1.0] * 4)
     assert s.size == 8  # 3 of 4 uniform
     s.ended(4, [1.0] * 4)  # a group of the old size says nothing about the new one
     for _ in range(4):
