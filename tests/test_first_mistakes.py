@@ -77,7 +77,7 @@ def _run_cli(tiny_model_dir: Path, tmp_path: Path, reward: Path, *sets: str) -> 
 def test_a_flat_reward_is_named_within_30s_and_the_run_stops_by_itself(tiny_model_dir, tmp_path) -> None:
     reward = tmp_path / "flat.py"
     reward.write_text("def score(sample, output):\n    return 0.0\n")
-    c = _run_cli(tiny_model_dir, tmp_path, reward, "train.total_steps=50", "agent.max_no_signal_s=25")
+    c = _run_cli(tiny_model_dir, tmp_path, reward, "train.total_steps=50", "agent.max_no_signal_s=14")
     rc = c.wait(240)
     out = c.text()
     assert rc == 1, out[-3000:]
