@@ -62,6 +62,52 @@ def test_end_of_turn_token_other_than_eos_joins_the_eos_ids(tmp_path: Path) -> N
     assert gen["eos_token_id"] == [2, 4]  # `</s>`, then `<|im_end|>`
 
 
+def assert_tokenizer_is_lite_and_transformers(folder: Path, alphabet: list[str]) -> None:
+    """A folder `model fetch` / `model import` wrote loads as `LiteTokenizer` (no transformers
+    import: 3-4 s of CPU in each process on the real recipe) with AutoTokenizer's ids, text,
+    special tokens and rendered template; loading it and finding the end of a turn in a
+    fresh process never imports transformers."""
+    import random
+
+    import transformers
+
+    from areal_like.models.lite_tokenizer import LiteTokenizer
+    from areal_like.models.tiny_model import load_tokenizer
+
+    lite, hf = load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    assert isinstance(lite, LiteTokenizer), type(lite)
+    for attr in ("eos_token_id", "pad_token_id", "bos_token_id", "unk_token_id", "chat_template"):
+        assert getattr(lite, attr) == getattr(hf, attr), attr
+    assert len(lite) == len(hf) and set(lite.all_special_tokens) == set(hf.all_special_tokens)
+    rng = random.Random(0)
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
+        ids = hf.encode(text)
+        assert lite.encode(text) == ids, text
+        for skip in (False, True):
+            assert lite.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 3 plus 4?"}]
+    for gen in (False, True):
+        assert lite.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False) == \
+            hf.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
+        assert lite.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False) == \
+            hf.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False)
+    code = ("import sys; from areal_like.models.tiny_model import load_tokenizer; "
+            "from areal_like.models.fetch import end_of_turn_ids; "
+            f"tok = load_tokenizer({str(folder)!r}); end_of_turn_ids(tok); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], (out.stdout, out.stderr[-2000:])
+
+
+def test_an_imported_folders_tokenizer_loads_without_transformers(tmp_path: Path) -> None:
+    from areal_like.models.fetch import import_gguf
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    out = import_gguf(src, tmp_path / "hf", log=lambda m: None)
+    assert_tokenizer_is_lite_and_transformers(out, [*"the t h e  \n\tüé{}1+2", "<|im_start|>", "<|im_end|>", "</s>"])
+
+
 def test_a_gguf_without_chat_template_converts_and_says_so(tmp_path: Path) -> None:
     from areal_like.models.fetch import import_gguf
 

@@ -66,6 +66,15 @@ def test_recipe_runs_with_template_prompts_and_passes_audit(smollm2: Path, tmp_p
     assert audit.returncode == 0, (audit.stdout + audit.stderr)[-3000:]
 
 
+def test_the_fetched_tokenizer_loads_without_transformers(smollm2: Path) -> None:
+    """Each process of a run that reads the recipe's tokenizer (the rollout controller, each
+    server) skips transformers' import (3-4 s of CPU on the path to the first group)."""
+    from tests.test_model_import import assert_tokenizer_is_lite_and_transformers
+
+    assert_tokenizer_is_lite_and_transformers(smollm2, [*"What is seven plus 12? 0123456789 éü\n", "<|im_start|>",
+                                                        "<|im_end|>", "<|endoftext|>"])
+
+
 def test_serve_on_the_fetched_model_answers_the_openai_sdk(smollm2: Path) -> None:
     openai = pytest.importorskip("openai")
     proc, base_url = start_serve([*CLI, "serve", "configs/smollm2.yaml", "--port", "0"], ROOT, ENV, timeout=300)

@@ -91,21 +91,32 @@ def build_tokenizer() -> Any:
     return fast
 
 
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""`tokenizer_class` values whose whole tokenizer is `tokenizer.json` as it stands (transformers
+builds nothing of its own around it): what `areal-like model fetch` writes (docs/design.md §10.33)."""
+
+
 def load_tokenizer(path: str | Path, *, hf: bool = False) -> Any:
-    """Load a tokenizer folder. Ours is loaded as-is from `tokenizer.json`, without
-    transformers (`LiteTokenizer`: the same ids and text, docs/design.md §10.33), or with
-    `hf=True` as transformers' `PreTrainedTokenizerFast`, for a library that requires
-    transformers' class (TRL's `GRPOTrainer`); transformers 5's `AutoTokenizer` would swap
-    in the model type's tokenizer class (Qwen2's byte-level pre-tokenizer) and drop spaces.
-    Any other folder goes through AutoTokenizer."""
+    """Load a tokenizer folder. Ours, and any folder whose `tokenizer_config.json` names a
+    plain `tokenizers` class (`_PLAIN_CLASSES`: the folders `areal-like model fetch`
+    writes), load without transformers as a `LiteTokenizer` (the same ids and text,
+    docs/design.md §10.33); transformers' import and class cost 3-4 s of CPU in each
+    process that loads the real recipe's tokenizer. `hf=True` is for a library that requires
+    transformers' class (TRL's `GRPOTrainer`): ours then loads as `PreTrainedTokenizerFast`
+    (transformers 5's `AutoTokenizer` would swap in the model type's tokenizer class, Qwen2's
+    byte-level pre-tokenizer, and drop spaces), any other folder through AutoTokenizer, as
+    does every folder with a model-specific class (Llama's, Qwen2's...)."""
     import json
 
-    cfg_file = Path(path) / "tokenizer_config.json"
-    if cfg_file.is_file() and json.loads(cfg_file.read_text()).get(_MARKER):
-        if hf:
-            from transformers import PreTrainedTokenizerFast
+    folder = Path(path)
+    cfg_file = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    if cfg.get(_MARKER) and hf:
+        from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(str(path))
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    if (cfg.get(_MARKER) or cfg.get("tokenizer_class") in _PLAIN_CLASSES) and not hf \
+            and (folder / "tokenizer.json").is_file():
         from areal_like.models.lite_tokenizer import LiteTokenizer
 
         return LiteTokenizer(path)
