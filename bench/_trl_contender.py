@@ -116,6 +116,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from areal_like.core.config import load_config
+    from areal_like.core.precision import resolve_dtype
     from areal_like.models.tiny_model import load_tokenizer
     from areal_like.orchestration.dataset import load_rows
     from areal_like.orchestration.preflight import resolve_model_path
@@ -137,6 +138,10 @@ def main() -> None:
     tokenizer = load_tokenizer(model_path, hf=True)  # GRPOTrainer requires transformers' class
     if tool_form:
         tokenizer.response_template = RESPONSE_TEMPLATE
+    # fp32 weights; with model.dtype bf16 (or auto on a CPU with native bf16) training and
+    # generation run under bf16 autocast, as ours: fp32 masters, bf16 matmuls
+    dtype = resolve_dtype(cfg.model.dtype, "cpu")
+    emit({"kind": "dtype", "time": time.time(), "dtype": dtype})
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     rows = load_rows(cfg.dataset, "train", cfg.run.seed)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -170,7 +175,7 @@ def main() -> None:
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=dtype == "bfloat16",
         fp16=False,
         seed=args.seed,
         dataloader_num_workers=0,

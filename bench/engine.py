@@ -202,6 +202,8 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=512,
                     help="the embedded engine's prompt + response limit (its KV slots' length)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the weights' dtype, for the embedded engine and HF generate alike")
     args, rec = _record.parse(ap, __file__, smoke={"concurrency": "1,4", "max_len": 16, "repeats": 1})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -215,8 +217,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     config = EmbeddedEngineConfig(max_seq_len=args.max_seq_len)
-    engine = EmbeddedEngine(args.model, config, eos_token_ids=[], seed=args.seed)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    engine = EmbeddedEngine(args.model, config, eos_token_ids=[], seed=args.seed, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     pad = hf.config.pad_token_id or 0
     have_vllm = importlib.util.find_spec("vllm") is not None
     vllm = VLLMRunner(args.model, args.seed) if have_vllm else None
@@ -257,6 +260,7 @@ def main() -> None:
         "bench": "engine",
         "model_params": sum(p.numel() for p in hf.parameters()),
         "threads": args.threads,
+        "dtype": args.dtype,
         "max_batch_size": config.max_batch_size,
         "max_len": args.max_len,
         "points": points,

@@ -82,6 +82,8 @@ def main() -> None:
                     help="train.mini_batch_split (quickstart: groups)")
     ap.add_argument("--tail-cap", type=int, default=0,
                     help="add bench/long_tail_loop.py's long tail (at most this many tokens) to each answer")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="model.dtype: bfloat16 runs forward and backward under bf16 autocast over fp32 masters")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print the N functions that took the most time over the timed steps (cProfile)")
     args, rec = _record.parse(ap, __file__, smoke={"steps": 1, "batch": 16, "lengths": "16,32", "mini_batches": 2,
@@ -99,7 +101,7 @@ def main() -> None:
     cfg = TrainConfig(token_budget=args.token_budget, mini_batches=args.mini_batches,
                       mini_batch_split=args.split, backend=TorchBackendConfig(threads=args.threads))
     lo, hi = (int(x) for x in args.lengths.split(","))
-    engine = TorchTrainEngine(model, cfg)
+    engine = TorchTrainEngine(model, cfg, dtype=args.dtype)
     vocab = engine._module.config.vocab_size
     batches = [build_batch(_trajectories(args.batch, vocab, s, lo, hi, args.tail_cap, args.prompt_len,
                                          args.shared_prompts), cfg.loss)
@@ -135,7 +137,7 @@ def main() -> None:
         "max_len": max(max(b.seq_lens.tolist()) for b in batches[1:]),
         "prox_time_s": statistics.median(prox), "model_params": sum(p.numel() for p in engine._module.parameters()),
         "batch_seqs": args.batch, "mean_tokens_per_step": statistics.mean(b.num_tokens for b in batches[1:]),
-        "threads": args.threads, "token_budget": args.token_budget, "steps": args.steps,
+        "threads": args.threads, "dtype": args.dtype, "token_budget": args.token_budget, "steps": args.steps,
         "tokens_per_s": statistics.median(rates), "step_time_s": statistics.median(times),
         "torch": torch.__version__,
     })

@@ -50,12 +50,15 @@ def build_engine(
     interrupt_mode: InterruptMode = "recompute",
     seed: int = 0,
     set_threads: bool = True,
+    dtype: str = "float32",
 ) -> AsyncGenerateEngine:
     """The engine a `rollout.engine` config asks for, ready to serve.
 
     `set_threads` applies `EmbeddedEngineConfig.threads` with `torch.set_num_threads`,
     which is process-wide: right in a rollout server's own process (or Ray actor),
-    wrong in a process shared with a trainer, so it can be turned off.
+    wrong in a process shared with a trainer, so it can be turned off. `dtype` is
+    `model.dtype` (`auto` resolved for the engine's device); vLLM keeps its own choice
+    (the checkpoint's dtype).
     """
     config = config or EmbeddedEngineConfig()
     if isinstance(config, VLLMEngineConfig):
@@ -69,7 +72,10 @@ def build_engine(
 
     if set_threads:
         torch.set_num_threads(config.threads)
-    return AsyncEngine(EmbeddedEngine(model_path, config, interrupt_mode=interrupt_mode, seed=seed))
+    from areal_like.core.precision import resolve_dtype, torch_dtype
+
+    dt = torch_dtype(resolve_dtype(dtype, config.device))
+    return AsyncEngine(EmbeddedEngine(model_path, config, interrupt_mode=interrupt_mode, seed=seed, dtype=dt))
 
 
 def _maybe_tokenizer(model_path: Path) -> Any | None:
@@ -103,13 +109,15 @@ class RolloutServer:
         set_threads: bool = True,
         model_name: str | None = None,
         max_sessions: int = 10000,
+        dtype: str = "float32",
     ) -> None:
         from rollout_cluster.sessions import SessionTokens
 
         if isinstance(engine, (str, Path)):
             model_path = Path(engine)
             engine = build_engine(
-                model_path, engine_config, interrupt_mode=interrupt_mode, seed=seed, set_threads=set_threads
+                model_path, engine_config, interrupt_mode=interrupt_mode, seed=seed, set_threads=set_threads,
+                dtype=dtype,
             )
             if tokenizer is None:
                 tokenizer = _maybe_tokenizer(model_path)

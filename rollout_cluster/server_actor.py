@@ -38,12 +38,13 @@ class ServerActor:
     def __init__(self, name: str, model_path: str, engine_config: dict[str, Any], *, interrupt_mode: str,
                  seed: int, threads: int, weight_sync: dict[str, Any], default_disk_path: str,
                  log_level: str = "INFO", log_file: str | None = None, console: bool = True,
-                 lend: dict[str, Any] | None = None) -> None:
+                 lend: dict[str, Any] | None = None, dtype: str = "float32") -> None:
         from areal_like.core.logs import process_logging
 
         process_logging(name, log_level, log_file, console)
         self.name = name
         self._args = (model_path, engine_config, interrupt_mode, seed, threads, weight_sync, default_disk_path)
+        self.dtype = dtype
         self.server: Any = None
         self.started_at = time.time()
         self.lend = lend
@@ -65,7 +66,7 @@ class ServerActor:
         torch.set_num_threads(threads)
         try:
             self.server = RolloutServer(model_path, engine_config=engine_cfg, interrupt_mode=interrupt_mode,
-                                        seed=seed, set_threads=False)
+                                        seed=seed, set_threads=False, dtype=self.dtype)
         except Exception as e:
             where = self.device()
             device = getattr(engine_cfg, "device", "cpu")

@@ -7,8 +7,9 @@ more workers every process builds its engine after joining a torch.distributed g
 on a TCPStore of its own, so it never collides with the weight-sync group.
 
 Precision: the module's weights are always fp32 and AdamW steps them; with
-`model.dtype: bfloat16` forward and backward run under bf16 autocast, so bf16 training
-keeps fp32 master weights (small updates accumulate instead of being rounded away).
+`model.dtype: bfloat16` (or `auto` on hardware with native bf16) forward and backward run
+under bf16 autocast, so bf16 training keeps fp32 master weights (small updates accumulate
+instead of being rounded away).
 Checkpoints hold the fp32 weights; `named_weights()` hands out the model dtype.
 
 `named_weights()` yields the HF `state_dict()` names and tensors minus duplicates:
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from areal_like.core.config import LoraConfig, TorchBackendConfig, TrainConfig
+from areal_like.core.precision import resolve_dtype, torch_dtype
 from areal_like.models.lite import load_causal_lm
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
@@ -44,7 +46,6 @@ __all__ = ["TorchTrainEngine", "init_train_group", "free_port", "check_device"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _COMPLETE = "COMPLETE"
 
 
@@ -90,9 +91,7 @@ class TorchTrainEngine(TrainEngine):
         backend = train_cfg.backend
         if not isinstance(backend, TorchBackendConfig):
             raise ValueError(f"TorchTrainEngine needs train.backend.type=torch, got {backend.type!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"train dtype {dtype!r} is not supported: use float32 or bfloat16 "
-                             "(float16 would need loss scaling)")
+        dtype = resolve_dtype(dtype, backend.device)  # refuses float16: it would need loss scaling
         super().__init__(train_cfg)
         self.backend = backend
         self.device = check_device(backend.device)
@@ -113,7 +112,7 @@ class TorchTrainEngine(TrainEngine):
         torch.manual_seed(seed)
         self.seed = seed
 
-        self.dtype = _DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         # fp32 master weights; bf16 compute comes from autocast (`_autocast`)
         module = load_causal_lm(model_path, torch.float32, backend.model_impl).to(self.device)
         module.config.use_cache = False
@@ -162,7 +161,7 @@ class TorchTrainEngine(TrainEngine):
         self._scheduler = torch.optim.lr_scheduler.LambdaLR(self._optimizer, factor)
         self._ref: Any = None
         if train_cfg.loss.kl_coef > 0:
-            self._ref = load_causal_lm(model_path, _DTYPES[dtype], backend.model_impl).to(self.device)
+            self._ref = load_causal_lm(model_path, torch_dtype(dtype), backend.model_impl).to(self.device)
             self._ref.eval().requires_grad_(False)
         logger.info("TorchTrainEngine rank %d/%d on %s (%s, %s, %d threads)", self.rank, self.world_size,
                     self.device, backend.strategy if self.world_size > 1 else "single", dtype, backend.threads)

@@ -137,8 +137,11 @@ class ModelConfig(_Section):
     """HF folder (model + tokenizer). Relative paths resolve against the config file's
     folder first, then the current directory, then the installed package's assets. Or the
     name of a model `areal-like model fetch` knows, once fetched (`smollm2-135m-instruct`)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for training and the embedded engine (fp32 is fastest on CPU)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    """Compute dtype of training (over fp32 master weights) and the embedded engine's weights.
+    `auto`: bfloat16 where the device multiplies bf16 natively (a GPU with bf16 tensor
+    cores; a CPU with AVX512-BF16 or AMX), float32 elsewhere, decided by each train worker
+    and server for its own device (`areal_like.core.precision`)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters (`model.lora.rank` > 0), or full fine-tuning (0, the default)."""
 

@@ -66,6 +66,7 @@ def build_servers(cfg: ExperimentConfig) -> list[Any]:
             interrupt_mode=cfg.rollout.interrupt_mode,
             seed=cfg.run.seed + 17 * i,
             set_threads=False,
+            dtype=cfg.model.dtype,
         )
         for i in range(cfg.rollout.num_servers)
     ]

@@ -105,7 +105,7 @@ class ServerPool:
         lending = thread_lending(cfg) if i < ROLLOUT_SLOTS else None  # the ledger has a slot per server number
         lend = {"path": lending["path"], "index": i, "borrow": lending["rollout_borrow"]} if lending else None
         return (name, str(self.model_path), cfg.rollout.engine.model_dump(mode="json")), dict(
-            lend=lend,
+            lend=lend, dtype=cfg.model.dtype,
             interrupt_mode=cfg.rollout.interrupt_mode, seed=cfg.run.seed + 17 * i,
             threads=cfg.rollout.server_threads, weight_sync=cfg.weight_sync.model_dump(mode="json"),
             default_disk_path=str(Path(cfg.run.dir) / "weight_sync"), log_level=cfg.run.log_level,

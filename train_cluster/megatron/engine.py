@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from areal_like.core.config import MegatronBackendConfig, TrainConfig
+from areal_like.core.precision import resolve_dtype, torch_dtype
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
 from train_cluster.megatron.convert import hf_to_megatron, iter_megatron_to_hf, padded_vocab_size
@@ -48,7 +49,6 @@ __all__ = ["MegatronTrainEngine", "build_gpt_model"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _COMPLETE = "COMPLETE"
 
 
@@ -171,8 +171,7 @@ class MegatronTrainEngine(TrainEngine):
         backend = train_cfg.backend
         if not isinstance(backend, MegatronBackendConfig):
             raise ValueError(f"MegatronTrainEngine needs train.backend.type=megatron, got {backend.type!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"train dtype {dtype!r} is not supported: use float32 or bfloat16")
+        dtype = resolve_dtype(dtype, backend.device)
         if train_cfg.loss.kl_coef > 0:
             raise ValueError("train.loss.kl_coef > 0 is not supported by the megatron backend "
                              "(no reference model); use the torch backend or kl_coef=0")
@@ -223,16 +222,16 @@ class MegatronTrainEngine(TrainEngine):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.hf_config = AutoConfig.from_pretrained(str(model_path))
-        module = build_gpt_model(self.hf_config, _DTYPES[dtype], tp, on_cpu)
+        module = build_gpt_model(self.hf_config, torch_dtype(dtype), tp, on_cpu)
         if on_cpu:
             from train_cluster.megatron.shims import cpu_rotary
 
             cpu_rotary(module)
-        hf_sd = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=_DTYPES[dtype]).state_dict()
+        hf_sd = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype(dtype)).state_dict()
         self._load_hf(module, hf_sd)
         # Every weight in the model dtype, as Megatron's Float16Module would (its torch-norm
         # fallback builds the RMSNorm weights in fp32); the fp32 copies live in the optimizer.
-        self._module = module.to(self.device, _DTYPES[dtype])
+        self._module = module.to(self.device, torch_dtype(dtype))
         self._model: Any = module
         self._master: list[torch.Tensor] | None = None  # CPU bf16: fp32 copies the optimizer steps
         if on_cpu:
@@ -241,13 +240,13 @@ class MegatronTrainEngine(TrainEngine):
 
                 self._model = DDP(module, process_group=self.group, broadcast_buffers=False)
             params = list(module.parameters())
-            if _DTYPES[dtype] != torch.float32:
+            if torch_dtype(dtype) != torch.float32:
                 self._master = [p.detach().float().clone() for p in params]
                 params = self._master
             self.optimizer: Any = torch.optim.AdamW(params, lr=train_cfg.lr, betas=train_cfg.betas,
                                                     weight_decay=train_cfg.weight_decay)
         else:
-            self._model, self.optimizer = _megatron_ddp_and_optimizer(module, train_cfg, _DTYPES[dtype])
+            self._model, self.optimizer = _megatron_ddp_and_optimizer(module, train_cfg, torch_dtype(dtype))
         self.scheduler = _LRSchedule(self.optimizer, train_cfg)
         logger.info("MegatronTrainEngine rank %d: tp %d/%d, dp %d/%d on %s (%s, %s optimizer)", self.rank,
                     self.tp_rank, tp, self.dp_rank, dp, self.device, dtype,
