@@ -45,6 +45,16 @@ def test_auto_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch) -> None:
         precision.resolve_dtype("float16", "cpu")
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_on_a_gpu_asks_cuda_for_native_bf16(monkeypatch, native) -> None:
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: asked.append(
+        including_emulation) or native)
+    assert precision.resolve_dtype("auto", "cuda:1") == ("bfloat16" if native else "float32")
+    assert asked == [False]  # emulated bf16 (pre-Ampere) is not fast
+
+
 def test_a_config_asking_for_float16_is_refused_at_load() -> None:
     with pytest.raises(ValueError, match="model.dtype"):
         ExperimentConfig.model_validate({"model": {"dtype": "float16"}})
@@ -83,3 +93,45 @@ def test_a_bf16_run_trains_in_bf16_and_its_servers_serve_bf16(tiny_model_dir, tm
     assert sum(r["kind"] == "train_step" for r in steps) == 2
     sent = load_file(str(run_dir / "weights" / "v2" / "model.safetensors"))  # what the servers were sent
     assert {t.dtype for t in sent.values()} == {torch.bfloat16}
+
+
+def test_a_bf16_engine_computes_as_the_trainers_autocast_does(tmp_path) -> None:
+    """bf16 weights, but the residual stream, norms, rotary and softmax in fp32, as under the
+    trainer's autocast: its behaviour logprobs sit nearer the trainer's recompute than a
+    forward that is bf16 throughout (the engine before 2026-11-29) would."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_like.models.tiny_model import init_model
+
+    # deep and wide enough that bf16 rounding of the residual stream shows (SmolLM2 has 30 layers)
+    model_dir = init_model(tmp_path / "deep", seed=0, num_hidden_layers=16, hidden_size=256, intermediate_size=512)
+    engine = build_engine(model_dir, set_threads=False, dtype="bfloat16")
+    prompts = [[1, 10 + i, 20 + i, 30, 40, 50 + i] for i in range(8)]
+
+    async def answers() -> list[GenerateResult]:
+        try:
+            return await asyncio.gather(*[
+                engine.generate(request_id=f"r{i}", prompt_ids=p, sampling_params=SamplingParams(max_tokens=24, ignore_eos=True))
+                for i, p in enumerate(prompts)])
+        finally:
+            await engine.close()
+
+    outs = asyncio.run(answers())
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+    def logprobs(model: torch.nn.Module, autocast: bool) -> torch.Tensor:
+        got = []
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for p, o in zip(prompts, outs, strict=True):
+                logits = model(torch.tensor([p + o.token_ids])).logits.float()[0, len(p) - 1 : -1]
+                got.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0])
+        return torch.cat(got)
+
+    with torch.no_grad():  # the weights the engine holds, in fp32 modules
+        for t in fp32.parameters():
+            t.copy_(t.to(torch.bfloat16).float())
+    trainer = logprobs(fp32, autocast=True)  # the trainer's arithmetic: fp32 modules under bf16 autocast
+    ours = (torch.tensor([x for o in outs for x in o.logprobs]) - trainer).abs().mean().item()
+    all_bf16 = (logprobs(bf16, autocast=False) - trainer).abs().mean().item()
+    assert ours < 0.75 * all_bf16, (ours, all_bf16)

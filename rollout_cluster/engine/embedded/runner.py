@@ -80,6 +80,7 @@ def _fuse(mods: list[torch.nn.Module], fused: torch.Tensor | None) -> torch.Tens
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lora: Lora | None) -> torch.Tensor:
+    x = x.to(w.dtype)  # bf16 weights: the matmul in bf16, as under the trainer's autocast
     y = F.linear(x, w, b)
     if lora is not None:
         y.addmm_(F.linear(x, lora[0]), lora[1])
@@ -177,7 +178,7 @@ class ModelRunner:
         self._pack()
         with torch.inference_mode():
             positions = torch.arange(max_seq_len, device=device)[None]
-            probe = torch.zeros(1, device=device, dtype=dtype)
+            probe = torch.zeros(1, device=device, dtype=torch.float32)  # rotary in fp32 whatever the weights
             cos, sin = self.model.model.rotary_emb(probe, positions)
         self._cos, self._sin = cos[0], sin[0]  # [max_seq_len, head_dim]
 
@@ -362,7 +363,10 @@ class ModelRunner:
         hq, hkv, d = self.n_heads, self.n_kv, self.head_dim
         rep = hq // hkv
         m = tokens.numel()
-        h = F.embedding(tokens, self._embed)  # [M, hidden]
+        # The residual stream, norms, rotary and softmax stay fp32 and only the matmuls take the
+        # weights' dtype: with bf16 weights this is the trainer's autocast arithmetic, so the
+        # behaviour logprobs are the ones the trainer recomputes (docs/design.md §10.48).
+        h = F.embedding(tokens, self._embed).float()  # [M, hidden]
         for li, L in enumerate(self._layers):
             x = _rms(h, L.ln1, self._eps)
             qkv = _linear(x, L.w_qkv, L.b_qkv, L.lora.get("qkv"))
@@ -375,18 +379,19 @@ class ModelRunner:
             qs = _rotate(qs, cos, sin)
             ks = _rotate(ks, cos, sin)
             kc, vc = kv.k[li], kv.v[li]
-            kc[rows, :, pos] = ks
+            kc[rows, :, pos] = ks.to(kc.dtype)
             vc[rows, :, pos] = vs.view(m, hkv, d)
             keys = kc[slot0 : slot0 + n, :, :total]  # [N, Hkv, T, D]
             vals = vc[slot0 : slot0 + n, :, :total]
+            qs = qs.to(kc.dtype)
             if grid is not None:
                 padded = qs.new_zeros(n * q, hq, d)
                 padded[grid] = qs
                 qs = padded
             qg = qs.view(n, q, hq, d).transpose(1, 2).reshape(n, hkv, rep * q, d)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self._scale)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(self._scale)
             scores = scores.view(n, hkv, rep, q, total).add_(bias)
-            probs = torch.softmax(scores, dim=-1).view(n, hkv, rep * q, total)
+            probs = torch.softmax(scores, dim=-1).view(n, hkv, rep * q, total).to(vals.dtype)
             attn = torch.matmul(probs, vals).view(n, hq, q, d).transpose(1, 2).reshape(n * q, hq * d)
             if grid is not None:
                 attn = attn[grid]
