@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from areal_like.core import precision
 from areal_like.core.config import ExperimentConfig
 from areal_like.core.types import GenerateResult, SamplingParams
+from areal_like.orchestration.audit import BF16_MEAN_TOL, BF16_TOL, audit_run
 from rollout_cluster.server import build_engine
 
 ROOT = Path(__file__).parent.parent
@@ -80,7 +81,8 @@ def test_the_embedded_engine_holds_its_weights_in_the_resolved_dtype(tiny_model_
 def test_a_bf16_run_trains_in_bf16_and_its_servers_serve_bf16(tiny_model_dir, tmp_path) -> None:
     run_dir = tmp_path / "run"
     sets = [f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "model.dtype=bfloat16", "train.total_steps=2",
-            "eval.every_n_steps=0", "staleness.filter_uniform_groups=false", "run.record_weights=true"]
+            "eval.every_n_steps=0", "staleness.filter_uniform_groups=false", "run.record_weights=true",
+            "run.record_trajectories=true"]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     p = subprocess.run([*CLI, "run", str(ROOT / "configs/quickstart.yaml"), *[x for s in sets for x in ("--set", s)]],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -93,6 +95,24 @@ def test_a_bf16_run_trains_in_bf16_and_its_servers_serve_bf16(tiny_model_dir, tm
     assert sum(r["kind"] == "train_step" for r in steps) == 2
     sent = load_file(str(run_dir / "weights" / "v2" / "model.safetensors"))  # what the servers were sent
     assert {t.dtype for t in sent.values()} == {torch.bfloat16}
+
+    # the audit holds a bf16 run to bf16's rounding, and still catches a wrong logprob
+    rep = audit_run(run_dir)
+    assert rep.ok and rep.dtype == "bfloat16" and rep.tokens_checked > 100, rep.as_dict()
+    assert 0 < rep.mean_logprob_error <= BF16_MEAN_TOL and rep.max_logprob_error <= BF16_TOL
+    trajs = run_dir / "trajectories.jsonl"
+    honest = trajs.read_text()
+    rows = [json.loads(x) for x in honest.splitlines()]
+    rows[0]["response_logprobs"][0] -= 1.0  # one token scored far off
+    trajs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not audit_run(run_dir).ok
+    rows = [json.loads(x) for x in honest.splitlines()]
+    for r in rows:  # every token a little off: within the per-token bound, not on average
+        r["response_logprobs"] = [lp - 0.2 if m else lp for lp, m in zip(r["response_logprobs"], r["response_mask"],
+                                                                          strict=True)]
+    trajs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rep = audit_run(run_dir)
+    assert not rep.ok and any("on average" in x for x in rep.problems), rep.problems
 
 
 def test_a_bf16_engine_computes_as_the_trainers_autocast_does(tmp_path) -> None:

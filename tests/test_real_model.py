@@ -104,6 +104,7 @@ def test_lora_on_the_recipe_ships_adapters_and_passes_audit(smollm2: Path, tmp_p
     run_dir = tmp_path / "run"
     r = subprocess.run([*CLI, "run", "configs/smollm2.yaml", "--set", f"run.dir={run_dir}",
                         "--set", "model.lora.rank=16", "--set", "train.lr=2e-4",
+                        "--set", "model.dtype=float32",  # exact to 1e-3: fp32 (auto may be bf16 here)
                         "--set", "train.total_steps=2", "--set", "eval.num_samples=8",
                         "--set", "run.record_trajectories=true", "--set", "run.record_weights=true"],
                        cwd=ROOT, capture_output=True, text=True, timeout=1200, env=ENV)

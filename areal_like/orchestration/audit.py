@@ -10,6 +10,12 @@ was trained twice and that the outcome counts add up (invariant 5).
 
 Detection is by recomputation, never by checksum (docs/design.md §9.14). A run made
 with `rollout.interrupt_mode=keep` is reported as violating invariant 3 by design.
+
+The recompute is fp32. A run whose engine computed in bf16 (`model.dtype` bfloat16, or
+auto on a machine with native bf16) is held to bf16's rounding instead of 1e-3: at most
+`BF16_TOL` on any token and `BF16_MEAN_TOL` on average (a correct SmolLM2 run: ~0.04 mean,
+~0.2 worst). That still catches a token scored at the wrong position, prompt or temperature,
+not a version off by one at a small learning rate (docs/design.md §10.48).
 """
 
 from __future__ import annotations
@@ -25,9 +31,14 @@ import yaml
 
 from areal_like.core.metrics import read_jsonl
 
-__all__ = ["AuditReport", "audit_run"]
+__all__ = ["AuditReport", "BF16_MEAN_TOL", "BF16_TOL", "audit_run"]
 
 log = logging.getLogger(__name__)
+
+BF16_TOL = 0.5
+"""Largest |recorded - recomputed| logprob allowed on one token of a bf16 run."""
+BF16_MEAN_TOL = 0.1
+"""Largest mean |recorded - recomputed| logprob allowed over a bf16 run's tokens."""
 
 
 @dataclass
@@ -35,6 +46,9 @@ class AuditReport:
     trajectories: int = 0
     tokens_checked: int = 0
     max_logprob_error: float = 0.0
+    mean_logprob_error: float = 0.0
+    dtype: str = "float32"
+    """The run's engine dtype (`model.dtype`, auto resolved on this machine)."""
     worst: dict[str, Any] = field(default_factory=dict)
     lag_histogram: dict[int, int] = field(default_factory=dict)
     token_lag_histogram: dict[int, int] = field(default_factory=dict)
@@ -53,6 +67,8 @@ class AuditReport:
             "trajectories": self.trajectories,
             "tokens_checked": self.tokens_checked,
             "max_logprob_error": self.max_logprob_error,
+            "mean_logprob_error": self.mean_logprob_error,
+            "dtype": self.dtype,
             "worst": self.worst,
             "lag_histogram": {str(k): v for k, v in sorted(self.lag_histogram.items())},
             "token_lag_histogram": {str(k): v for k, v in sorted(self.token_lag_histogram.items())},
@@ -63,8 +79,12 @@ class AuditReport:
         }
 
 
-def audit_run(run_dir: str | Path, tol: float = 1e-3, batch_size: int = 32) -> AuditReport:
+def audit_run(run_dir: str | Path, tol: float | None = None, batch_size: int = 32) -> AuditReport:
+    """`tol`: the largest allowed |recorded - recomputed| logprob; None: 1e-3, or bf16's
+    rounding (`BF16_TOL`, and `BF16_MEAN_TOL` on average) for a run computed in bf16."""
     import torch
+
+    from areal_like.core.precision import resolve_dtype
 
     rd = Path(run_dir)
     rep = AuditReport()
@@ -74,6 +94,12 @@ def audit_run(run_dir: str | Path, tol: float = 1e-3, batch_size: int = 32) -> A
         return rep
     cfg = yaml.safe_load(cfg_file.read_text())
     eta = int(cfg.get("staleness", {}).get("max_staleness", 0))
+    engine = cfg.get("rollout", {}).get("engine", {})
+    rep.dtype = resolve_dtype(str(cfg.get("model", {}).get("dtype", "float32")), str(engine.get("device", "cpu")))
+    bf16 = rep.dtype == "bfloat16" and engine.get("type", "embedded") == "embedded"
+    if tol is None:
+        tol = BF16_TOL if bf16 else 1e-3
+    err_sum = 0.0
     mode = cfg.get("rollout", {}).get("interrupt_mode", "recompute")
     traj_file = rd / "trajectories.jsonl"
     if not traj_file.is_file():
@@ -161,6 +187,7 @@ def audit_run(run_dir: str | Path, tol: float = 1e-3, batch_size: int = 32) -> A
                 fresh = lp.gather(-1, tok[:, None])[:, 0]
                 rec = torch.tensor([t["response_logprobs"][k] for k in positions], dtype=torch.float32)
                 err = (fresh - rec).abs()
+                err_sum += float(err.sum())
                 rep.tokens_checked += len(positions)
                 j = int(err.argmax())
                 if float(err[j]) > rep.max_logprob_error:
@@ -168,10 +195,16 @@ def audit_run(run_dir: str | Path, tol: float = 1e-3, batch_size: int = 32) -> A
                     rep.worst = {"episode_id": t["episode_id"], "token": positions[j], "version": v,
                                  "recorded": float(rec[j]), "recomputed": float(fresh[j])}
         del model
+    rep.mean_logprob_error = err_sum / max(1, rep.tokens_checked)
     if rep.max_logprob_error > tol:
         rep.problems.append(
             f"invariant 3: behaviour logprob differs from a fresh forward pass of its version by "
             f"{rep.max_logprob_error:.3g} > tol {tol:g} (worst: {json.dumps(rep.worst)})"
+        )
+    if bf16 and rep.mean_logprob_error > BF16_MEAN_TOL:
+        rep.problems.append(
+            f"invariant 3: behaviour logprobs differ from fresh forward passes of their versions by "
+            f"{rep.mean_logprob_error:.3g} on average > {BF16_MEAN_TOL:g}, more than bf16's rounding"
         )
     return rep
 

@@ -49,7 +49,8 @@ if [[ $parts == *real* ]]; then
   # the trainer); the work per step is the same.
   python3 tests/gpu/random_model.py --from .gpu_model --out /tmp/smollm2-rand || exit 1
   real=(model.path=/tmp/smollm2-rand staleness.filter_uniform_groups=false train.total_steps=30)
-  run configs/smollm2.yaml real_colocate 120 "${real[@]}" cluster.colocate=true rollout.engine.device=cuda
+  run configs/smollm2.yaml real_colocate 120 "${real[@]}" cluster.colocate=true rollout.engine.device=cuda \
+    model.dtype=float32
   run configs/smollm2.yaml real_colocate_bf16 120 "${real[@]}" cluster.colocate=true rollout.engine.device=cuda \
     model.dtype=bfloat16
   run configs/smollm2.yaml real_two_pools 180 "${real[@]}" cluster.rollout_pool.num_cpus=8 rollout.engine.threads=8
