@@ -66,33 +66,46 @@ def test_killed_server_mid_run_loses_no_episode(tiny_model_dir) -> None:
         ctl.announcements.put_nowait(VersionAnnouncement(version=0))
         task = asyncio.create_task(ctl.run())
         buf = TrajectoryBuffer(1, filter_uniform_groups=False)
-        v, killed, final = 0, False, None
+        killed = asyncio.Event()
+
+        async def kill_s0_mid_request() -> None:
+            # Poll rather than check on each group's arrival: on a fast machine the engine can be
+            # idle at every arrival. Pause first so no in-flight request can finish between the
+            # check and the close; kill only if some are verifiably still inside the engine.
+            engine = servers["s0"].engine
+            while True:
+                await asyncio.sleep(0.005)
+                if manager.in_flight().get("s0", 0) == 0:
+                    continue
+                await engine.pause()
+                if engine.metrics()["inflight_calls"] > 0:
+                    await servers["s0"].close()  # the engine dies with requests in flight
+                    killed.set()
+                    return
+                await engine.resume()
+
+        killer = asyncio.create_task(kill_s0_mid_request())
+        v, final = 0, None
         while final is None:
             msg = await asyncio.wait_for(inbox.get(), 120)
             if isinstance(msg, TrajectoryGroup):
                 buf.put(msg)
-                if not killed and manager.in_flight().get("s0", 0) > 0:
-                    # Pause first so no in-flight request can finish between the check and
-                    # the close; kill only if some are verifiably still inside the engine.
-                    engine = servers["s0"].engine
-                    await engine.pause()
-                    if engine.metrics()["inflight_calls"] > 0:
-                        await servers["s0"].close()  # the engine dies with requests in flight
-                        killed = True
-                    else:
-                        await engine.resume()
             elif isinstance(msg, RolloutStats) and msg.kind == "final":
                 final = msg
             batch = buf.pop_batch(v, 2)
             if batch is not None:
                 buf.mark_trained(batch)
                 v += 1
+                assert v < 100 or killed.is_set(), "s0 was never caught with a request inside its engine"
             # a meta only with a new version, as the trainer announces one only with a transfer
             meta = WeightUpdateMeta(version=v, transport="disk", tensors=[], checksum="-") if batch else None
-            ctl.announcements.put_nowait(VersionAnnouncement(version=v, weights=meta, counts=GateCounts(consumed=buf.consumed, dropped=buf.dropped_sent), end=Goodbye() if v >= 4 else None))
+            # the run ends only after the kill, and 4 versions
+            end = Goodbye() if v >= 4 and killed.is_set() else None
+            ctl.announcements.put_nowait(VersionAnnouncement(version=v, weights=meta, counts=GateCounts(consumed=buf.consumed, dropped=buf.dropped_sent), end=end))
         await task
+        killer.cancel()
         await servers["s1"].close()
-        assert killed
+        assert killed.is_set()
         return buf, final, manager
 
     buf, final, manager = asyncio.run(main())
