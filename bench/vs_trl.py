@@ -329,10 +329,10 @@ def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 2) if xs else None
 
 
-def run_trl(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_trl(out: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     d = out / "trl"
     d.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "bench" / "_trl_contender.py"), "--out", str(d),
+    cmd = [sys.executable, str(ROOT / "bench" / "_trl_contender.py"), "--out", str(d), "--seed", str(seed),
            "--max-steps", str(args.trl_max_steps), "--max-seconds", str(args.trl_max_seconds),
            "--threads", str(args.threads), "--config", str(args.config), "--save-every", str(args.save_every)]
     cmd += [x for kv in _sets(args) for x in ("--set", kv)]
@@ -372,6 +372,7 @@ def main() -> None:
     ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for our run (repeatable), to try a variant")
     ap.add_argument("--ours-only", action="store_true", help="run and evaluate ours only (no TRL, no speedup)")
+    ap.add_argument("--trl-only", action="store_true", help="run and evaluate TRL only (no speedup)")
     ap.add_argument("--trl-max-steps", type=int, default=None)
     ap.add_argument("--trl-max-seconds", type=float, default=1200.0)
     ap.add_argument("--trl-stop-margin", type=float, default=0.03,
@@ -422,15 +423,20 @@ def main() -> None:
     base_acc = ev.accuracy(None)
     log.info("base model accuracy %.3f (%d held-out problems, sampled T=1)", base_acc, args.eval_n)
     results = []
+    # TRL's own seed (data order and sampling) differs per pair: one fixed seed compared a single
+    # TRL draw with our spread, which varies with asynchronous timing. The data (run.seed) and the
+    # evaluation's seed stay the same for both.
+    trl_seeds = [args.seed + rep for rep in range(args.repeats)]
     for rep in range(args.repeats):
         order = ["ours", "trl"] if (rep % 2 == 0) == (args.first == "ours") else ["trl", "ours"]
-        if args.ours_only:
-            order = ["ours"]
+        if args.ours_only or args.trl_only:
+            order = ["ours"] if args.ours_only else ["trl"]
         res: dict[str, Any] = {"order": order}
         runs: dict[str, dict[str, Any]] = {}
         for who in order:
             log.info("repeat %d: running %s (load average %.2f)", rep, who, os.getloadavg()[0])
-            r = runs[who] = run_ours(out / f"rep{rep}", args) if who == "ours" else run_trl(out / f"rep{rep}", args)
+            r = runs[who] = (run_ours(out / f"rep{rep}", args) if who == "ours"
+                             else run_trl(out / f"rep{rep}", args, trl_seeds[rep]))
             log.info("repeat %d: %s done: %d steps in %ss; CPU %s", rep, who, r["steps_done"],
                      r["train_s"], {k: v for k, v in r["cpu"].items() if k != "samples"})
             # evaluated now (not timed), then the weights go: at 135M they would fill the disk
@@ -444,7 +450,7 @@ def main() -> None:
                         "cpu": {k: v for k, v in r["cpu"].items() if k != "samples"}}
             if who == "ours":
                 res[who]["startup"], res[who]["utilisation"] = r.get("startup"), r.get("utilisation")
-        if args.ours_only:
+        if args.ours_only or args.trl_only:
             res["speedup"] = None
             results.append(res)
             continue
@@ -478,13 +484,13 @@ def main() -> None:
         "form": args.form if args.workload == "quickstart" else ev.form,
         "target": args.target,
         "speedup_time_to_target_vs_trl": headline,
-        "ours_time_to_target_from_command_s": [r["ours"]["time_to_target_from_launch_s"] for r in results],
+        "ours_time_to_target_from_command_s": [r["ours"]["time_to_target_from_launch_s"] for r in results if "ours" in r],
         "trl_time_to_target_from_command_s": [r["trl"]["time_to_target_from_launch_s"] for r in results if "trl" in r],
-        "ours_time_to_target_s": [r["ours"]["time_to_target_s"] for r in results],
+        "ours_time_to_target_s": [r["ours"]["time_to_target_s"] for r in results if "ours" in r],
         "trl_time_to_target_s": [r["trl"]["time_to_target_s"] for r in results if "trl" in r],
         # a step's cost up to the target (median seconds between optimiser steps, after 3 warm-up
         # steps), per repeat; the bar: ours <= TRL's, synchronous, on the same cores
-        "ours_median_step_s": [r["ours"]["median_step_s_to_target"] for r in results],
+        "ours_median_step_s": [r["ours"]["median_step_s_to_target"] for r in results if "ours" in r],
         "trl_median_step_s": [r["trl"]["median_step_s_to_target"] for r in results if "trl" in r],
         "step_cost_ratio_ours_over_trl": _median_or_none([r.get("step_cost_ratio_ours_over_trl") for r in results]),
         "base_accuracy": round(base_acc, 4),
@@ -496,6 +502,7 @@ def main() -> None:
                     f"eta {ev.cfg.staleness.max_staleness}, rollout 1 thread + train 1 thread",
             "ours_set": args.ours_set,
             "trl_lr": args.trl_lr if args.trl_lr is not None else ev.cfg.train.lr,
+            "trl_seeds": trl_seeds,
             "save_every": args.save_every,
             "trl_setup": f"GRPOTrainer, HF generate, {args.threads} torch threads, loss dapo, scale_rewards group, beta 0, "
                    f"mask_truncated_completions {ev.cfg.train.loss.mask_truncated}, gradient_checkpointing off",
