@@ -370,3 +370,27 @@ def test_failed_update_leaves_inflight_requests_on_the_old_version(tiny_model_di
         r = done[f"r{i}"]
         assert r.versions == [0] * 12 and r.num_interrupts == 0
         assert max_logprob_error({0: hf_model}, PROMPTS[i], r, 1.0) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_each_architecture_it_claims_matches_hf(arch, tmp_path):
+    """Qwen3 (q/k norms before rotary, no biases) and Llama, as the quickstart's Qwen2 above:
+    the engine's sampled tokens score as HF's forward scores them, in batches of several."""
+    from transformers import AutoConfig
+
+    kw = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    if arch == "qwen3":
+        kw["head_dim"] = 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw)).eval()
+    model.save_pretrained(tmp_path)
+    engine = make_engine(str(tmp_path))
+    for i, p in enumerate(PROMPTS[:6]):
+        engine.add_request(f"a{i}", p, SamplingParams(temperature=1.0, max_tokens=12, seed=i))
+    results = run_all(engine)
+    with torch.no_grad():
+        for i, p in enumerate(PROMPTS[:6]):
+            r = results[f"a{i}"]
+            lp = forward_logprobs(model, p, r.token_ids, 1.0)
+            torch.testing.assert_close(torch.tensor(r.logprobs), lp, atol=1e-4, rtol=0)

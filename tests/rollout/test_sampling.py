@@ -68,3 +68,21 @@ def test_the_two_level_search_picks_the_token_one_running_sum_picks() -> None:
         got = _inverse_cdf(w, u)
         assert torch.equal(got, want), (vocab, (got != want).nonzero()[:5])
         assert bool((w.gather(1, got[:, None]) > 0).all()), vocab
+
+
+def test_few_rows_draw_the_numbers_many_rows_do() -> None:
+    """A step of up to `_FEW_ROWS` rows hashes its draws in Python: the same numbers, bit for
+    bit, as the tensor hash of a bigger step (a request's tokens must not depend on how many
+    others decode beside it), over seeds and positions up to the 32-bit and past-the-context ends."""
+    from rollout_cluster.engine.sampling import _FEW_ROWS, _uniform_draw, mix_seed, uniform_draws
+
+    g = torch.Generator().manual_seed(1)
+    seeds = [0, 1, 2**32 - 1, mix_seed(7, 3)] + torch.randint(0, 2**32, (500,), generator=g).tolist()
+    positions = [0, 1, 2**20, 5] + torch.randint(0, 70_000, (500,), generator=g).tolist()
+    want = uniform_draws(torch.tensor(seeds), torch.tensor(positions))
+    got = torch.tensor([_uniform_draw(s, p) for s, p in zip(seeds, positions, strict=True)], dtype=torch.float64)
+    assert torch.equal(got, want)
+    few = SamplingBatch([1.0] * _FEW_ROWS, [0] * _FEW_ROWS, [1.0] * _FEW_ROWS, seeds[:_FEW_ROWS],
+                        positions[:_FEW_ROWS], torch.device("cpu"))
+    many = SamplingBatch([1.0] * 40, [0] * 40, [1.0] * 40, seeds[:40], positions[:40], torch.device("cpu"))
+    assert few.u is not None and many.u is not None and torch.equal(few.u, many.u[:_FEW_ROWS])

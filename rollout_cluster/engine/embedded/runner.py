@@ -370,14 +370,14 @@ class ModelRunner:
         for li, L in enumerate(self._layers):
             x = _rms(h, L.ln1, self._eps)
             qkv = _linear(x, L.w_qkv, L.b_qkv, L.lora.get("qkv"))
-            qs, ks, vs = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            qs = qs.view(m, hq, d)
-            ks = ks.view(m, hkv, d)
+            vs = qkv[:, (hq + hkv) * d:]
             if L.q_norm is not None and L.k_norm is not None:
-                qs = _rms(qs, L.q_norm, self._eps)
-                ks = _rms(ks, L.k_norm, self._eps)
-            qs = _rotate(qs, cos, sin)
-            ks = _rotate(ks, cos, sin)
+                qs, ks = qkv[:, :hq * d].view(m, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(m, hkv, d)
+                qs = _rotate(_rms(qs, L.q_norm, self._eps), cos, sin)
+                ks = _rotate(_rms(ks, L.k_norm, self._eps), cos, sin)
+            else:  # queries and keys rotated in one pass (the same arithmetic, half the calls)
+                qk = _rotate(qkv[:, :(hq + hkv) * d].view(m, hq + hkv, d), cos, sin)
+                qs, ks = qk[:, :hq], qk[:, hq:]
             kc, vc = kv.k[li], kv.v[li]
             kc[rows, :, pos] = ks.to(kc.dtype)
             vc[rows, :, pos] = vs.view(m, hkv, d)
