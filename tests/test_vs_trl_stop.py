@@ -66,3 +66,34 @@ def test_our_contender_is_interrupted_once_and_its_orderly_exit_is_success(tmp_p
     rc, _cpu, _t = bench._run_logged([sys.executable, "-c", "import sys; sys.exit(130)"], "ours", {}, log,
                                      bench.RewardStop(0.83, 3))
     assert rc == 130
+
+
+def test_each_pair_gives_trl_its_own_seed_and_the_median_counts_misses_against_us(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """TRL's contender is started with the pair's seed (one fixed seed compared a single TRL
+    draw with our spread), and the headline median takes a pair TRL never finished at its
+    lower bound and one ours never finished as 0 (docs/design.md §9.20)."""
+    import argparse
+    import json
+
+    bench = _bench()
+    cmds: list[list[str]] = []
+
+    def fake_run(cmd, who, env, log, stop=None):
+        cmds.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "steps.jsonl").write_text(json.dumps({"kind": "start", "time": 1.0}) + "\n")
+        return 0, {}, 0.0
+
+    monkeypatch.setattr(bench, "_run_logged", fake_run)
+    args = argparse.Namespace(trl_max_steps=2, trl_max_seconds=10.0, threads=2, config=ROOT / "configs/quickstart.yaml",
+                              save_every=1, trl_lr=None, trl_stop_margin=None, set=[], workload="quickstart")
+    monkeypatch.setattr(bench, "_sets", lambda a: [])
+    for seed in (0, 1, 2):
+        bench.run_trl(tmp_path / f"rep{seed}", args, seed)
+    assert [c[c.index("--seed") + 1] for c in cmds] == ["0", "1", "2"]
+
+    assert bench._median_speedup([1.3, 1.4, ">2.1"]) == 1.4
+    assert bench._median_speedup([1.3, "<0.9", 1.6]) == 1.3  # ours missed: counted as 0
+    assert bench._median_speedup([">1.2"]) == ">1.2"  # no pair where both got there: the bound itself
