@@ -184,10 +184,8 @@ def test_the_broadcast_overlaps_the_next_step(bench_setup):
     slow = {eta: simulate(cfg, _broadcast_takes(costs, 1.0), Split(1, 1), eta, steps=16) for eta in (0, 2)}
     compute = base[2].train_phase_s
     assert 1.0 < compute and base[2].trainer_idle_ratio < 0.05  # train-bound
-    # hidden behind the next step: it costs nothing (the rollout side held back by the older
-    # loaded version can make it a little faster still)
-    assert slow[2].step_s <= base[2].step_s * 1.02
-    assert slow[2].train_phase_s <= compute * 1.02
+    assert slow[2].step_s == pytest.approx(base[2].step_s, rel=0.02)  # hidden behind the next step
+    assert slow[2].train_phase_s == pytest.approx(compute, rel=0.02)
     assert slow[0].step_s == pytest.approx(base[0].step_s + 1.0, rel=0.02)  # η = 0: servers wait for it
     longer = simulate(cfg, _broadcast_takes(costs, 3.0), Split(1, 1), 2, steps=16)
     assert longer.step_s == pytest.approx(3.0, rel=0.02)  # each publish waits for the previous broadcast

@@ -39,31 +39,6 @@ def test_gate_formula() -> None:
     assert g.try_admit(4) and not g.try_admit(1)
 
 
-def test_a_paced_gate_stops_at_two_steps_waiting_and_never_for_stragglers() -> None:
-    """`staleness.pace_to_trainer`: η = 4 lets the rollout side accept 5 steps' worth; paced,
-    it starts nothing while two steps' worth wait for the trainer, and starts again as soon
-    as the trainer takes a batch. Episodes still running do not count (a straggler never
-    holds up the others), and η's bound holds as before."""
-    paced, free = StalenessGate(4, 4, 100, pace=True), StalenessGate(4, 4, 100)
-    for g in (paced, free):
-        assert g.try_admit(4) and g.try_admit(4) and g.try_admit(4)  # 12 running: nothing waits yet
-        g.on_group_done(4, 4)
-        g.on_group_done(4, 4)  # 8 accepted and waiting = 2B; 4 still running
-    assert not paced.try_admit(4) and free.try_admit(4)
-    paced.on_trainer_counts(consumed=4, dropped=0, trainer_version=1)  # the trainer took a batch
-    paced.set_loaded_version(1)
-    assert paced.waiting == 4 and paced.try_admit(4) and paced.try_admit(4)
-    paced.on_group_done(4, 4)
-    paced.on_group_done(4, 4)
-    paced.on_group_done(4, 4)
-    assert paced.waiting == 16 and not paced.try_admit(1)
-    # drops free what waits, as they free η's slots
-    paced.on_trainer_counts(consumed=4, dropped=12, trainer_version=1)
-    assert paced.waiting == 4 and paced.try_admit(4)
-    with_eta_1 = StalenessGate(4, 1, 100, pace=True)  # η's bound (2B at v = 0) binds first
-    assert with_eta_1.try_admit(4) and with_eta_1.try_admit(4) and not with_eta_1.try_admit(1)
-
-
 def test_gate_max_concurrent_and_whole_groups() -> None:
     g = StalenessGate(samples_per_step=100, max_staleness=5, max_concurrent=10)
     assert g.try_admit(8)

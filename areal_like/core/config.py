@@ -369,11 +369,6 @@ class StalenessConfig(_Section):
     0 is synchronous RL."""
     max_concurrent: int = Field(128, ge=1)
     """Most episodes running at once across the rollout pool."""
-    pace_to_trainer: bool = True
-    """η is the bound, not the target: no new group starts while two steps' worth of samples
-    already wait for the trainer, so a trainer-bound run trains on data one or two versions
-    old and leaves the CPU to the trainer; a generation-bound run uses all of η
-    (docs/design.md §10.49). Off: as far ahead as η allows, always (AReaL's behaviour)."""
     filter_uniform_groups: bool = True
     """Drop groups whose rewards are all equal (no GRPO signal); counted as `filtered`."""
     grow_groups_to: int = Field(0, ge=0)

@@ -20,16 +20,6 @@ at the latest in step `η + v`, i.e. with lag `v_t − v ≤ η`. Drops free the
 (the trainer's announcements carry cumulative dropped counts), so the gate never
 stays shut while the trainer waits. The trainer re-checks the bound at consume time
 anyway (`TrajectoryBuffer`), because drops and failures can reorder what it sees.
-
-With `pace` (`staleness.pace_to_trainer`, the default) η is the bound, not the target: no
-new group is admitted while two steps' worth of samples already wait for the trainer
-(`accepted - consumed >= 2B`). The trainer then has this step's batch and the next; the
-rollout side starts again as soon as it takes one, a whole train step before it needs
-more. A trainer-bound run so keeps its data one or two versions old whatever η allows, and
-leaves the CPU to the trainer instead of generating further ahead; in a generation-bound
-run (long tails, stragglers) samples never pile up, the cap never binds, and η is used
-whole. Running episodes do not count: a straggler never holds up the others. With η ≤ 1
-the bound above binds first (docs/design.md §10.49).
 """
 
 from __future__ import annotations
@@ -60,7 +50,7 @@ class GateState:
 class StalenessGate:
     """Pure admission arithmetic; the controller calls it from one event loop."""
 
-    def __init__(self, samples_per_step: int, max_staleness: int, max_concurrent: int, pace: bool = False) -> None:
+    def __init__(self, samples_per_step: int, max_staleness: int, max_concurrent: int) -> None:
         if samples_per_step < 1 or max_staleness < 0 or max_concurrent < 1:
             raise ValueError(
                 f"bad gate parameters: B={samples_per_step} η={max_staleness} max_concurrent={max_concurrent}"
@@ -68,7 +58,6 @@ class StalenessGate:
         self.B = samples_per_step
         self.eta = max_staleness
         self.max_concurrent = max_concurrent
-        self.pace = pace
         self.s = GateState()
         self._ahead_version = -1
 
@@ -81,14 +70,7 @@ class StalenessGate:
         """Total samples that may ever be accepted + running at the loaded version."""
         return (self.eta + self.s.version + 1) * self.B + self.s.ahead
 
-    @property
-    def waiting(self) -> int:
-        """Samples accepted and not yet consumed: what waits for the trainer, as far as this side knows."""
-        return self.accepted - self.s.consumed
-
     def free_slots(self) -> int:
-        if self.pace and self.waiting >= 2 * self.B:
-            return 0
         return min(self.capacity - self.accepted - self.s.running, self.max_concurrent - self.s.running)
 
     def try_admit(self, n: int = 1) -> bool:

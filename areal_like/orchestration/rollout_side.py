@@ -280,8 +280,7 @@ class RolloutSide:
         from areal_like.core.staleness import StalenessGate
 
         cfg = self.cfg
-        return StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent,
-                             pace=cfg.staleness.pace_to_trainer)
+        return StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent)
 
     # ---- what the controller calls ---------------------------------------------------------
     async def join_weights(self, ann: VersionAnnouncement) -> None:

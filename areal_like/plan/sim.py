@@ -267,7 +267,7 @@ class _Sim:
         self.rng = random.Random(seed)
         self.n = cfg.rollout.group_size
         self.B = cfg.samples_per_step
-        self.gate = StalenessGate(self.B, eta, cfg.staleness.max_concurrent, pace=cfg.staleness.pace_to_trainer)
+        self.gate = StalenessGate(self.B, eta, cfg.staleness.max_concurrent)
         self.buffer = TrajectoryBuffer(eta, cfg.staleness.filter_uniform_groups)
         n_servers = max(1, split.rollout_devices // costs.decode.gpus_per_server)
         self.servers = [_Server(i) for i in range(n_servers)]
