@@ -107,7 +107,8 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class SamplingBatch:
     """Per-row sampling settings of one step, as tensors (built once per step)."""
 
-    __slots__ = ("temperature", "greedy", "top_k", "top_p", "u", "any_sampled", "any_greedy", "any_trunc")
+    __slots__ = ("temperature", "greedy", "top_k", "top_p", "u", "any_sampled", "any_greedy", "any_trunc",
+                 "unit_temperature")
 
     def __init__(
         self,
@@ -122,6 +123,7 @@ class SamplingBatch:
         self.greedy = self.temperature == 0
         self.any_sampled = any(t > 0 for t in temperature)
         self.any_greedy = any(t == 0 for t in temperature)
+        self.unit_temperature = all(t in (0.0, 1.0) for t in temperature)
         self.any_trunc = any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
         self.top_k = torch.tensor(top_k, dtype=torch.int64, device=device) if self.any_trunc else None
         self.top_p = torch.tensor(top_p, dtype=torch.float32, device=device) if self.any_trunc else None
@@ -159,10 +161,13 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     the blocks' sums of `_inverse_cdf`, and the truncation where asked for.
     """
     logits = logits.float()
-    temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
-    scaled = logits / temp[:, None]
+    if batch.unit_temperature:  # T = 1 (or greedy, scored at 1) everywhere: x / 1 is x, a pass saved
+        scaled = logits
+    else:
+        temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
+        scaled = logits / temp[:, None]
     top = scaled.amax(dim=-1, keepdim=True)
-    weights = torch.exp(scaled - top)  # unnormalised softmax(scaled)
+    weights = (scaled - top).exp_()  # unnormalised softmax(scaled)
     total = weights.sum(-1)
     if batch.any_sampled:
         u = batch.u
