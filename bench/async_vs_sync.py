@@ -35,7 +35,12 @@ under a known load (#29: samples/s must not fall as η grows, also with half a c
 taken); `--background bursty` one that takes a whole core for 0.5 s, then none for 0.5 s
 (#44: a neighbour that comes and goes on the scale of a step).
 
-    python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 20] [--repeats 2] [--background-cores 0.5]
+**40 steps.** The steady steps of a run are measured; at 20 steps that was 13 steps, ~4 s:
+four of the bursty neighbour's 1 s cycles, and one run of an η differed from the next by
+up to 20 % (42.5 against 53.0 samples/s at η = 0), so the 3 % bar on η's order was decided
+by noise. At 40 steps (33 measured, ~12 s) the two repeats of an η were within 1-6 %.
+
+    python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 40] [--repeats 2] [--background-cores 0.5]
     python bench/async_vs_sync.py --etas 0,1,2,4 --background bursty
     python bench/async_vs_sync.py --smoke   # η 0 and 2, 2 steps of 2 prompts, tails of 16
                                             # tokens at most, 8 held-out problems, 1 repeat,
@@ -109,7 +114,7 @@ def sets_for(eta: int, steps: int, seed: int, data: tuple[Path, Path], eval_samp
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--etas", default="0,1,2,4")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default="configs/quickstart.yaml")
