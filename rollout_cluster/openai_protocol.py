@@ -426,11 +426,6 @@ def completion_response(
     }
 
 
-def assistant_content(result: GenerateResult, tokenizer: Any, stop_ids: set[int]) -> str:
-    """The text of an assistant turn: generated ids decoded, the final stop token left out."""
-    return tokenizer.decode(content_ids(result, stop_ids), skip_special_tokens=False)
-
-
 def content_ids(result: GenerateResult, stop_ids: set[int]) -> list[int]:
     """The ids of the answer's text: the stop token that ended it (one of `stop_ids`, or the one
     the engine names, e.g. an end-of-turn id among the generation config's eos ids) left out."""

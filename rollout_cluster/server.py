@@ -169,10 +169,6 @@ class RolloutServer:
     def version(self) -> int:
         return self.engine.version
 
-    def get_version(self) -> int:
-        """`version` as a method, for callers through a Ray actor handle."""
-        return self.engine.version
-
     @property
     def max_seq_len(self) -> int:
         return self.engine.max_seq_len

@@ -27,7 +27,7 @@ def _kw(**over):
 
 def test_valid_trajectory_and_head_version() -> None:
     t = Trajectory(**_kw())
-    assert t.head_version == 2 and t.num_generated == 3
+    assert t.head_version == 2 and sum(t.response_mask) == 3
 
 
 @pytest.mark.parametrize(

@@ -231,10 +231,6 @@ class Trajectory(_Strict):
     def head_version(self) -> int:
         return head_version(self.response_versions, self.response_mask)
 
-    @property
-    def num_generated(self) -> int:
-        return sum(self.response_mask)
-
 
 class Origin(_Strict):
     """Who sent a data frame, for which run and trainer epoch (docs/design.md §10.7).

@@ -187,10 +187,6 @@ class LocalActor:
             return self._init_error
         return ActorDied(f"actor {self.actor_name} (pid {self.actor_pid}) is gone: {self._dead}")
 
-    @property
-    def actor_alive(self) -> bool:
-        return self._dead is None
-
     def actor_kill(self) -> None:
         try:
             os.kill(self.actor_pid, signal.SIGKILL)

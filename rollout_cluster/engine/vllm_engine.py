@@ -555,10 +555,6 @@ class VLLMEngine(AsyncGenerateEngine):
             if not task.done():
                 task.cancel()
 
-    def engine_pids(self) -> list[int]:
-        """Pids of vLLM's engine core process(es), children of this process."""
-        return [int(p.pid) for p in engine_processes(self._llm) if p.pid is not None]
-
     async def _died(self, error: BaseException, wait_s: float = 3.0) -> EngineDeadError:
         """Our `EngineDeadError` for a dead engine, root cause first (`vllm_observe`).
 
