@@ -208,8 +208,8 @@ def test_weights_are_recorded_every_nth_version_when_asked(tmp_path) -> None:
 
 
 def test_a_recorded_version_is_written_after_the_servers_are_told_of_it(tmp_path) -> None:
-    """Writing a recorded copy takes 0.5-0.8 s at 135M: written before the announcement, it
-    held every recorded version back from the servers by as much (docs/benchmarks.md)."""
+    """Writing a recorded copy takes 0.3-0.9 s at 135M: written before the announcement, it
+    held each recorded version back from the servers by as much (docs/benchmarks.md)."""
     trainer, weights = _Trainer(2), _Weights()
     feed, announced = _feed(tmp_path, trainer, weights, ReportLog(), "run.record_weights=true")
     seen: list[list[int]] = []
