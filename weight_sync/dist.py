@@ -272,6 +272,31 @@ class _Membership:
         self.shm_ready: set[str] = set()
         """Members of the last gathered transfer that said they read the sender's
         shared-memory files (`weight_sync/shm.py`)."""
+        self.last_join_at = time.monotonic()
+        """When the join log was last seen to grow."""
+        self._reading = threading.Lock()
+        self._first_gather = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_joins, name="weight-sync-joins", daemon=True)
+        self._watcher.start()
+
+    def _watch_joins(self, every_s: float = 0.05) -> None:
+        """Until the first transfer, read the join log as it grows, so that the settle
+        counts from the last join and not from the moment the first transfer asks. A
+        rollout side registers its servers before it says hello, so a fresh run's first
+        version (after a whole batch) finds them settled and goes at once; it waited
+        `settle_s` (0.2 s) before, once per run."""
+        while not self._first_gather.wait(every_s):
+            try:
+                self.read_registrations()
+            except Exception as e:  # the store is going away with the sender
+                log.debug("weight group join watcher: %s", e)
+                return
+
+    def close(self) -> None:
+        self._first_gather.set()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join()
+        self.ctl = None
 
     def gather(self, seq: int) -> tuple[list[str], list[str]]:
         """Wait (≤ timeout_s) for the known receivers to be ready; decide who is in.
@@ -286,6 +311,7 @@ class _Membership:
         assert self.ctl is not None
         ctl = self.ctl
         deadline = time.monotonic() + self.timeout_s
+        self._first_gather.set()
         self.read_registrations()
         ready: dict[str, str] = {}  # receiver id -> incarnation
         shm_ready: set[str] = set()
@@ -306,16 +332,11 @@ class _Membership:
             # store the rollout side learns from this very announcement): give receivers a
             # moment to join and be ready, rather than send to nobody and leave them
             # waiting, NotAMemberError, for the next version.
-            joins = [0, time.monotonic()]  # known receivers, and when that number last changed
-
             def joined_and_ready() -> bool:
                 self.read_registrations()
                 read_ready()
-                now = time.monotonic()
-                if len(self.known) != joins[0]:
-                    joins[:] = [len(self.known), now]
                 return (bool(self.known) and set(self.known) <= ready.keys()
-                        and now - joins[1] >= self.settle_s)
+                        and time.monotonic() - self.last_join_at >= self.settle_s)
 
             _poll(lambda: joined_and_ready() or self.forget_now.is_set(),
                   min(deadline, time.monotonic() + self.first_receivers_s))
@@ -352,23 +373,24 @@ class _Membership:
         other. Wait (≤ `first_receivers_s`) until no join has come for `settle_s`, so the
         first transfer waits for all of them, not only for the first to have joined (the
         others got NotAMemberError and missed the resumed trainer's first version)."""
-        joins = [len(self.known), time.monotonic()]
 
         def settled() -> bool:
             self.read_registrations()
-            now = time.monotonic()
-            if len(self.known) != joins[0]:
-                joins[:] = [len(self.known), now]
-            return now - joins[1] >= self.settle_s
+            return time.monotonic() - self.last_join_at >= self.settle_s
 
         _poll(lambda: settled() or self.forget_now.is_set(), min(deadline, time.monotonic() + self.first_receivers_s))
 
     def read_registrations(self) -> set[str]:
         """Apply the join and leave logs receivers append to (the store cannot list keys);
         returns who left since the last read."""
+        with self._reading:
+            return self._read_registrations()
+
+    def _read_registrations(self) -> set[str]:
         assert self.ctl is not None
         left: set[str] = set()
         for rid in self.joins.read_new():
+            self.last_join_at = time.monotonic()
             if rid not in self.known:
                 self.known.append(rid)
         for server in self.leaves.read_new():
@@ -638,7 +660,8 @@ class DistWeightSender(WeightSender):
         finally:
             self._drop_group()
             self._closed = True
-            self._ctl = self._store = self._membership.ctl = None  # type: ignore[assignment]
+            self._membership.close()
+            self._ctl = self._store = None  # type: ignore[assignment]
             self._staging = None
             self._shm.close()
 

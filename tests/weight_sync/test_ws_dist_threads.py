@@ -74,6 +74,26 @@ def test_buffers_are_reused_and_layout_changes_reallocate(sender: DistWeightSend
     r.close()
 
 
+def test_receivers_that_joined_well_before_the_first_version_get_it_without_the_settle(
+    sender: DistWeightSender,
+) -> None:
+    """A rollout side registers its servers before it says hello, and a run's first version
+    comes a whole batch later: the sender does not wait `settle_s` for more joins then (it
+    did, 0.2 s at every run's start). The settle counts from the last join."""
+    sender._membership.settle_s = 2.0  # long enough to see, were it waited
+    a, b = _receiver("a"), _receiver("b")
+    a.connect(sender.store_addr)
+    b.connect(sender.store_addr)
+    time.sleep(2.2)  # the joins are older than the settle
+    got = _deliver(sender.send(1, _tensors(1).items()), [a, b])
+    assert all(not isinstance(v, Exception) for v in got.values()), got
+    stats = sender.wait()
+    assert stats is not None and stats.ok and stats.accepted == 2
+    assert stats.rendezvous_s < 1.0, stats  # 2.0 s and more when the settle counted from the send
+    a.close()
+    b.close()
+
+
 def test_one_receiver_without_the_shared_memory_lane_puts_the_whole_group_on_the_broadcast(
     sender: DistWeightSender,
 ) -> None:
