@@ -23,7 +23,11 @@ waiting for the sender's plan, `end_to_end_s`, `send_s` plus the receiver's whol
 two measured back to back so that both see the same load from other jobs on a shared
 box; the ratio of medians and the ratio of best reps are reported too. The top-level
 `ratio_to_raw_broadcast` is the 100M model's on the default lane,
-`broadcast_lane_ratio_to_raw_broadcast` the same on the broadcast. Progress goes to
+`broadcast_lane_ratio_to_raw_broadcast` the same on the broadcast.
+`verified_raw_ratio_to_raw_broadcast` is the ceiling for any lane that checks every
+byte it receives (docs/design.md: checksums are verified before a version is
+activated): the raw broadcast against itself in the lane's buckets with each bucket
+digested on arrival (`raw_verified_s`), paired per rep. Progress goes to
 stderr, the last line of stdout is one JSON object (bench/_record.py).
 
 A receiver that fails (an import, the rendezvous, a transfer) fails this process within a
@@ -108,10 +112,29 @@ def _raw_group(store: Any, rank: int, size: int, timeout_s: float) -> Any:
     return dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), rank, size, opts)
 
 
-def _timed_raw_broadcast(group: Any, buf: torch.Tensor) -> float:
+def _timed_raw_broadcast(group: Any, buf: torch.Tensor, verify_bucket: int = 0) -> float:
+    """One broadcast of `buf`; with `verify_bucket`, the least any lane that verifies every
+    byte must do instead: `buf` in buckets of that size, two in flight as the transport
+    sends them, and the receivers digest each bucket once it has landed, with the
+    transport's own digest (no layout, header or commit vote)."""
     group.barrier().wait()
     t0 = time.perf_counter()
-    group.broadcast(buf, 0).wait()
+    if not verify_bucket:
+        group.broadcast(buf, 0).wait()
+        return time.perf_counter() - t0
+    from weight_sync.dist import _WINDOW
+    from weight_sync.meta import tensor_digest
+
+    receiving = group.rank() != 0
+    in_flight: list[tuple[Any, torch.Tensor]] = []
+    for start in range(0, buf.numel(), verify_bucket):
+        piece = buf[start:start + verify_bucket]
+        in_flight.append((group.broadcast(piece, 0), piece))
+        while len(in_flight) >= _WINDOW or (in_flight and start + verify_bucket >= buf.numel()):
+            work, landed = in_flight.pop(0)
+            work.wait()
+            if receiving:
+                tensor_digest(landed)
     return time.perf_counter() - t0
 
 
@@ -154,8 +177,9 @@ def _receiver(
         if kind == "stop":
             break
         if kind == "raw":
-            buf = buffers.setdefault(payload, torch.empty(payload, dtype=torch.uint8))
-            outbox.put({"id": rid, "seconds": _timed_raw_broadcast(raw_group, buf)})
+            n, verify_bucket = payload
+            buf = buffers.setdefault(n, torch.empty(n, dtype=torch.uint8))
+            outbox.put({"id": rid, "seconds": _timed_raw_broadcast(raw_group, buf, verify_bucket)})
             continue
         receiver = receivers[kind]
         meta = wire.decode(payload, expect=WeightUpdateMeta)
@@ -211,17 +235,17 @@ def bench_model(
     params = sum(t.numel() for t in tensors.values())
     log.info("%s: %.1fM parameters, %.1f MB", name, params / 1e6, nbytes / 1e6)
     flat = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    bucket = next(iter(senders.values())).bucket_bytes
     rows: dict[str, list[dict[str, float]]] = {lane: [] for lane in senders}
     # Interleaved, so that load from other processes on the box hits all alike.
     for rep in range(reps + 1):  # rep 0 warms up: buffers allocated, groups formed
         got = {lane: _one_transfer(lane, sender, rep + 1, tensors, inboxes, outbox)
                for lane, sender in senders.items()}
-        for q in inboxes:
-            q.put(("raw", flat.numel()))
-        own = _timed_raw_broadcast(raw_group, flat)
-        raw_s = max([own] + [a["seconds"] for a in _gather(outbox, len(inboxes))])
+        raw_s, verified_s = (_raw_rep(raw_group, flat, verify_bucket, inboxes, outbox)
+                             for verify_bucket in (0, bucket))
         for lane, row in got.items():
             row["raw_broadcast_s"] = raw_s
+            row["raw_verified_s"] = verified_s
             log.info("%s %s rep %d%s: %s", name, lane, rep, " (warm-up)" if rep == 0 else "",
                      {k: round(v, 4) for k, v in row.items()})
             if rep:
@@ -232,6 +256,13 @@ def bench_model(
         result[f"{lane}_lane"] = _summarise(rows[lane], params, nbytes)
     log.info("%s: %s", name, result)
     return result
+
+
+def _raw_rep(raw_group: Any, flat: torch.Tensor, verify_bucket: int, inboxes: list[Any], outbox: Any) -> float:
+    for q in inboxes:
+        q.put(("raw", (flat.numel(), verify_bucket)))
+    own = _timed_raw_broadcast(raw_group, flat, verify_bucket)
+    return max([own] + [a["seconds"] for a in _gather(outbox, len(inboxes))])
 
 
 def _summarise(rows: list[dict[str, float]], params: int, nbytes: int) -> dict[str, Any]:
@@ -252,6 +283,10 @@ def _summarise(rows: list[dict[str, float]], params: int, nbytes: int) -> dict[s
     result["ratio_paired_min_max"] = [round(min(paired), 3), round(max(paired), 3)]
     result["ratio_of_medians"] = round(result["raw_broadcast_s"] / result["transfer_s"], 3)
     result["ratio_of_bests"] = round(best_raw / best_transfer, 3)
+    # The ceiling on this machine for a lane that verifies what it receives: the raw
+    # broadcast against itself bucketed and digested (paired per rep, as above).
+    result["verified_raw_ratio_to_raw_broadcast"] = round(
+        statistics.median(r["raw_broadcast_s"] / r["raw_verified_s"] for r in rows), 3)
     return result
 
 
@@ -352,6 +387,7 @@ def main() -> None:
         "ratio_to_raw_broadcast": big["ratio_to_raw_broadcast"],
         **({"broadcast_lane_ratio_to_raw_broadcast": big["gloo_lane"]["ratio_to_raw_broadcast"]}
            if "gloo_lane" in big else {}),
+        "verified_raw_ratio_to_raw_broadcast": big["verified_raw_ratio_to_raw_broadcast"],
     })
 
 

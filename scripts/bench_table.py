@@ -75,7 +75,8 @@ HEADLINES: dict[str, tuple[str, list[str], str, str | None]] = {
                           "step_cost_ratio_ours_over_trl"],
                "python bench/vs_trl.py --repeats 3 --ours-steps 30", None),
     "weight_sync": ("weight sync", ["ratio_to_raw_broadcast", "broadcast_lane_ratio_to_raw_broadcast",
-                                    "qwen2_100m.gb_per_s", "quickstart.transfer_s"],
+                                    "verified_raw_ratio_to_raw_broadcast", "qwen2_100m.gb_per_s",
+                                    "quickstart.transfer_s"],
                     "python bench/weight_sync.py", "#weight-sync-benchweight_syncpy"),
 }
 

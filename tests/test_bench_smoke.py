@@ -38,7 +38,8 @@ BENCH_KEYS = {
     # the long-tailed step the length-cut forward is measured on (docs/benchmarks.md, per-step profile)
     "train_step.py": {"step_time_s", "tail_cap", "max_len", "shared_prompts", "mini_batch_split"},
     # #29: both lanes measured (same-host shared memory, and the broadcast other hosts get)
-    "weight_sync.py": {"ratio_to_raw_broadcast", "broadcast_lane_ratio_to_raw_broadcast"},
+    "weight_sync.py": {"ratio_to_raw_broadcast", "broadcast_lane_ratio_to_raw_broadcast",
+                       "verified_raw_ratio_to_raw_broadcast"},
     # #34: the paired test per η
     # the smoke evaluates along the run, and its objective is a --variant
     "staleness_ablation.py": {"paired", "paired_diff", "table", "plot_curves", "variants"},
