@@ -38,7 +38,8 @@ def test_the_lender_borrows_while_the_other_pool_is_idle_and_gives_back(tmp_path
     server = CoreLedger(path, "rollout", 0)
     trainer = CoreLedger(path, "train", 0)
     before = torch.get_num_threads()
-    lender = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.05)
+    lender = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.05,
+                          runnable=lambda: 1, cpus=2)  # a machine with nothing else on it
     try:
         server.working(True)
         assert lender.pick() == 1 and torch.get_num_threads() == 1
@@ -51,6 +52,45 @@ def test_the_lender_borrows_while_the_other_pool_is_idle_and_gives_back(tmp_path
         assert lender.borrowed_s >= 0.02
         server.working(True)
         assert lender.pick() == 1 and torch.get_num_threads() == 1  # given back at the next check
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_lender_leaves_a_core_that_a_process_outside_the_run_holds(tmp_path) -> None:
+    """A borrowed thread on a core a neighbour is busy on makes every parallel region wait
+    for it (a 2-core train step: 1.25 s on 2 threads against 0.59 s on 1): the lender
+    borrows only while the machine's runnable threads, less its own, leave a core free."""
+    path = tmp_path / ".cores"
+    server = CoreLedger(path, "rollout", 0)
+    trainer = CoreLedger(path, "train", 0)
+    before = torch.get_num_threads()
+    runnable = [1]
+    lender = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.0,
+                          runnable=lambda: runnable[0], cpus=2)
+    try:
+        torch.set_num_threads(1)
+        lender.current = 1
+        server.working(False)
+        runnable[0] = 2  # this thread and a neighbour
+        assert lender.pick() == 1
+        runnable[0] = 1
+        assert lender.pick() == 2 and torch.get_num_threads() == 2
+        runnable[0] = 2  # its own two threads: still nobody else
+        assert lender.pick() == 2
+        runnable[0] = 3  # a neighbour started: give the thread back
+        assert lender.pick() == 1 and torch.get_num_threads() == 1
+
+        # The count is the kernel's: a real neighbour spinning on a core is seen.
+        real = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.0, cpus=2)
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            deadline = time.time() + 10
+            while time.time() < deadline and real.pick() != 1:
+                time.sleep(0.05)
+            assert [real.pick() for _ in range(5)] == [1] * 5
+        finally:
+            spin.kill()
+            spin.wait()
     finally:
         torch.set_num_threads(before)
 
