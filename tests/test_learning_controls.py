@@ -116,6 +116,11 @@ def test_the_quickstart_ends_by_itself(tmp_path) -> None:
     assert final["ended"] == "target_reached" and final["counts_add_up"], final
     version, accuracy = final["target_reached"]
     assert accuracy >= target and version < cfg.train.total_steps
+    # It ends on the version that reached the target (final/ holds it), and each evaluation
+    # scored its version's own weights: no step left an evaluated version before its score.
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    assert final["trainer_version"] == version == evals[-1]["version"], (final, evals)
+    assert all(e["max_token_version"] == e["version"] for e in evals), evals
     assert "reached train.stop_at_eval_accuracy" in out and ", the last evaluation (v0 " in out
     groups = [sum(r["head_lag_hist"].values()) for r in recs if r.get("kind") == "train_step"]
     assert min(groups) < cfg.train.batch_size, groups  # a step of grown groups holds fewer prompts

@@ -430,6 +430,37 @@ def test_the_eval_target_is_reached_once() -> None:
     assert rules.target_reached == (2, 0.6)
 
 
+def test_with_an_eval_target_the_step_past_an_evaluated_version_waits_for_its_score(caplog) -> None:
+    """The run ends on the version that reached the target: no step leaves an evaluated
+    version before its score is in; without a target, or a score seen yet, nothing waits."""
+    def ev(rules: StopRules, acc: float, v: int) -> None:
+        rules.evaluation(_report(kind="eval", loaded_version=v,
+                                 eval=EvalResult(accuracy=acc, reward_mean=acc, seconds=1.0, num_samples=8)))
+
+    free = StopRules(_cfg("eval.every_n_steps=10"), "r")
+    ev(free, 0.5, 0)
+    assert not free.waits_for_score(10, published=True)  # no target: evaluation never holds a step
+    rules = StopRules(_cfg("train.stop_at_eval_accuracy=0.9", "eval.every_n_steps=10", "train.total_steps=40",
+                           "eval.final_timeout_s=0.2"), "r")
+    assert not rules.waits_for_score(10, published=True)  # no score yet: maybe no held-out rows at all
+    ev(rules, 0.5, 0)
+    assert [rules.waits_for_score(v, published=True) for v in (5, 10, 11)] == [False, True, False]
+    assert not rules.waits_for_score(10, published=False)  # a version the servers never get is never scored
+    ev(rules, 0.6, 10)
+    assert not rules.waits_for_score(10, published=True) and rules.ended is None
+    assert rules.waits_for_score(20, published=True)
+    ev(rules, 0.95, 20)
+    assert rules.ended == "target_reached" and rules.target_reached == (20, 0.95)
+    assert not rules.waits_for_score(40, published=True)  # the last version ends the run anyway
+    with caplog.at_level(logging.WARNING, logger="areal_like.orchestration.trainer_controller"):
+        caplog.clear()
+        assert rules.waits_for_score(30, published=True)
+        time.sleep(0.25)
+        assert not rules.waits_for_score(30, published=True) and not rules.waits_for_score(30, published=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "no held-out score of v30 in eval.final_timeout_s=0.2s: training goes on without it"]
+
+
 def test_console_notes_print_steps_with_the_last_eval_and_say_waits() -> None:
     steps: list[dict[str, Any]] = []
     said: list[str] = []

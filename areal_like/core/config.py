@@ -461,8 +461,10 @@ class TrainConfig(_Section):
     """Train steps (each advances the version by one)."""
     stop_at_eval_accuracy: float | None = Field(None, gt=0.0, le=1.0)
     """End the run (as configured, exit 0) once a held-out evaluation reaches this sampled
-    accuracy; None = train all `total_steps`. Ignored, said in one line at the start, when
-    nothing evaluates (`eval.every_n_steps` or `eval.num_samples` 0)."""
+    accuracy; None = train all `total_steps`. The trainer then takes no step past an
+    evaluated version before its score is in (~one evaluation's time each), so the run ends on
+    the version that reached it. Ignored, said in one line at the start, when nothing
+    evaluates (`eval.every_n_steps` or `eval.num_samples` 0)."""
     max_consecutive_skips: int = Field(3, ge=1)
     """Train steps skipped in a row (non-finite loss or gradient) that stop the run with an
     error: a model that only produces NaN must not spin forever."""

@@ -33,6 +33,7 @@ TRAINER_PHASES: tuple[tuple[str, str], ...] = (
     ("wait_data", "wait: groups for the batch"),
     ("wait_straggler", "wait: stragglers η would drop"),
     ("wait_colocate", "wait: servers to hold (colocate)"),
+    ("wait_eval", "wait: the held-out score that may end the run"),
     ("drain", "take in data (groups into the buffer, reports)"),
     ("train_batch", "train: build the batch (advantages, packing)"),
     ("train_logprobs_prox", "train: π_prox logprobs"),

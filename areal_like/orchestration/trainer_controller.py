@@ -262,9 +262,11 @@ class TrainerController:
                 self._drain(timeout_s=look_s)
                 v = self.trainer.version
                 stragglers = self._stragglers(v)
-                groups = None if stragglers else self.buffer.pop_batch(v, cfg.train.batch_size)  # oldest first, η re-checked
-                if groups is None:
-                    wait.name = self._wait_phase(stragglers)
+                scoring = self.rules.waits_for_score(v, self._published(v))
+                ended = self.rules.ended is not None  # a score that came in just now ends it before a step
+                groups = None if stragglers or scoring or ended else self.buffer.pop_batch(v, cfg.train.batch_size)
+                if groups is None and not ended:
+                    wait.name = "wait_eval" if scoring else self._wait_phase(stragglers)
                     self._while_waiting(v)
                     if stragglers and self.buffer.prompts >= cfg.train.batch_size:
                         self.stragglers.wait_s += time.time() - t_loop
@@ -313,6 +315,9 @@ class TrainerController:
     def _stragglers(self, v: int) -> list[str]:
         """The groups the step from v waits for (`StragglerPolicy`)."""
         return self.stragglers.stragglers(v, self.rollout, self.peers.accepted, self.end.stopping)
+
+    def _published(self, v: int) -> bool:
+        return self.feed.last_meta is not None and self.feed.last_meta.version == v
 
     def _wait_phase(self, stragglers: list[str]) -> str:
         """What a pass that formed no batch waited for, as a phase of the step's budget."""
@@ -434,6 +439,9 @@ class TrainerController:
             return "the rollout side to connect (it starts its servers and loads the model)"
         if r is None:
             return "the rollout side's first report"
+        if self.rules.waits_for_score(v, self._published(v)):
+            return (f"the held-out score of v{v}, which may end the run (train.stop_at_eval_accuracy="
+                    f"{self.cfg.train.stop_at_eval_accuracy})")
         stragglers = self._stragglers(v)
         if stragglers and self.buffer.prompts >= b:
             return (f"{len(stragglers)} straggler group(s) that the step to v{v + 1} would push past "

@@ -514,7 +514,9 @@ class RunEnd:
 class StopRules:
     """What ends a run before `train.total_steps`: no learning signal (`SignalWatch`),
     `train.max_consecutive_skips` steps in a row skipped for a non-finite loss or
-    gradient, a held-out accuracy at `train.stop_at_eval_accuracy`."""
+    gradient, a held-out accuracy at `train.stop_at_eval_accuracy`. With that target the
+    trainer takes no step past an evaluated version before its score is in (`waits_for_score`),
+    so the run ends on the version that reached it (docs/design.md §10.49)."""
 
     def __init__(self, cfg: ExperimentConfig, reward_name: str) -> None:
         self.cfg = cfg
@@ -528,6 +530,9 @@ class StopRules:
         """(version, accuracy) of the evaluation that reached `train.stop_at_eval_accuracy`."""
         self.solved_at: int | None = None
         """The version at which every group had scored the run's best reward for `agent.max_no_signal_s`."""
+        self.scored_through = -1
+        """The newest version a held-out evaluation scored."""
+        self._waiting_since: tuple[int, float] | None = None
 
     def trained(self, stats: dict[str, Any]) -> str | None:
         """A step was applied: a line to say if the policy drifts from the sampler's."""
@@ -551,11 +556,33 @@ class StopRules:
     def evaluation(self, msg: RolloutStats) -> None:
         """A held-out evaluation came in: does it reach the target?"""
         assert msg.eval is not None
+        self.scored_through = max(self.scored_through, msg.loaded_version)
         target = self.cfg.train.stop_at_eval_accuracy
         if target is not None and msg.eval.accuracy >= target and self.target_reached is None:
             self.target_reached = (msg.loaded_version, msg.eval.accuracy)
             log.warning("held-out accuracy %.3f at v%d reached train.stop_at_eval_accuracy=%g: the run ends "
-                        "after this step", msg.eval.accuracy, msg.loaded_version, target)
+                        "before another step", msg.eval.accuracy, msg.loaded_version, target)
+
+    def waits_for_score(self, v: int, published: bool) -> bool:
+        """Whether the step from v waits for v's held-out score: v is a published multiple of
+        `eval.every_n_steps` and the run ends at `train.stop_at_eval_accuracy`. The rollout
+        side evaluates the first version it loads at each multiple, so this one, on its own
+        weights (no newer version lands during it). At most `eval.final_timeout_s` a version."""
+        cfg = self.cfg
+        every = cfg.eval.every_n_steps
+        if (cfg.train.stop_at_eval_accuracy is None or not every or not published or v <= 0 or v % every
+                or v >= cfg.train.total_steps or not 0 <= self.scored_through < v):  # none yet: no held-out rows
+            return False
+        if self._waiting_since is None or self._waiting_since[0] != v:
+            self._waiting_since = (v, time.monotonic())
+        waited = time.monotonic() - self._waiting_since[1]
+        if waited < cfg.eval.final_timeout_s:
+            return True
+        if waited != float("inf"):
+            log.warning("no held-out score of v%d in eval.final_timeout_s=%gs: training goes on without it",
+                        v, cfg.eval.final_timeout_s)
+            self._waiting_since = (v, -float("inf"))  # given up on v
+        return False
 
     def check_signal(self, v: int) -> str | None:
         """A line to say about the learning signal, if any; raises `RunFailed` when there is none."""
