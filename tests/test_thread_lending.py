@@ -66,7 +66,7 @@ def test_the_lender_leaves_a_core_that_a_process_outside_the_run_holds(tmp_path)
     before = torch.get_num_threads()
     runnable = [1]
     lender = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.0,
-                          runnable=lambda: runnable[0], cpus=2)
+                          runnable=lambda: runnable[0], cpus=2, crowded_hold_s=0.0)
     try:
         torch.set_num_threads(1)
         lender.current = 1
@@ -79,6 +79,22 @@ def test_the_lender_leaves_a_core_that_a_process_outside_the_run_holds(tmp_path)
         assert lender.pick() == 2
         runnable[0] = 3  # a neighbour started: give the thread back
         assert lender.pick() == 1 and torch.get_num_threads() == 1
+
+        # A neighbour that comes and goes keeps the threads home for a while after it was seen.
+        held = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.0,
+                            runnable=lambda: runnable[0], cpus=2, crowded_hold_s=0.3)
+        runnable[0] = 2
+        assert held.pick() == 1
+        runnable[0] = 1  # a moment's thread of the run, seen once: lending goes on
+        assert held.pick() == 2
+        runnable[0] = 3
+        assert held.pick() == 1
+        time.sleep(0.06)
+        assert held.pick() == 1  # seen again 60 ms later: a neighbour
+        runnable[0] = 1  # gone again: not trusted yet
+        assert held.pick() == 1
+        time.sleep(0.35)
+        assert held.pick() == 2
 
         # The count is the kernel's: a real neighbour spinning on a core is seen.
         real = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.0, cpus=2)
