@@ -56,36 +56,6 @@ def test_the_lender_borrows_while_the_other_pool_is_idle_and_gives_back(tmp_path
         torch.set_num_threads(before)
 
 
-def test_the_lender_borrows_from_a_pool_that_waits_on_it_not_from_one_between_its_own_work(tmp_path) -> None:
-    """A synchronous step (the servers idle since before the trainer's step began: they wait
-    for its next version) borrows their thread. Servers that run out of work during the step
-    have only run out of their lead (η ≥ 1): they resume as the trainer's progress reaches
-    them, so the step keeps to its own threads."""
-    path = tmp_path / ".cores"
-    server = CoreLedger(path, "rollout", 0)
-    trainer = CoreLedger(path, "train", 0)
-    before = torch.get_num_threads()
-    lender = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.02, runnable=lambda: 1, cpus=2)
-    try:
-        server.working(False)
-        time.sleep(0.03)
-        trainer.working(True)  # a step starts with the servers already waiting
-        assert lender.pick() == 2
-        trainer.working(False)
-        server.working(True)
-        trainer.working(True)  # the next step starts while the servers still generate
-        assert lender.pick() == 1
-        server.working(False)  # their lead is done, mid-step
-        time.sleep(0.05)
-        assert lender.pick() == 1 and trainer.idle_for("rollout") >= 0.05
-        trainer.working(False)  # between steps nothing is borrowed either way
-        time.sleep(0.03)
-        trainer.working(True)
-        assert lender.pick() == 2  # idle since before this step
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_the_lender_leaves_a_core_that_a_process_outside_the_run_holds(tmp_path) -> None:
     """A borrowed thread on a core a neighbour is busy on makes every parallel region wait
     for it (a 2-core train step: 1.25 s on 2 threads against 0.59 s on 1): the lender

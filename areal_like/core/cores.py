@@ -62,8 +62,6 @@ class CoreLedger:
             finally:
                 os.close(fd)
         self._state: bool | None = None
-        self.busy_since: float | None = None
-        """When this process's current work began (`time.time()`); None while it has none."""
 
     def working(self, busy: bool) -> None:
         """This process has work (`True`) or has run out of it (`False`)."""
@@ -71,7 +69,6 @@ class CoreLedger:
             return
         self._state = busy
         now = time.time()
-        self.busy_since = now if busy else None
         struct.pack_into("d", self._map, self.slot * 8, now if busy else -now)
 
     def idle_for(self, pool: str) -> float:
@@ -118,15 +115,8 @@ def _machine_cpus() -> int | None:
 
 class ThreadLender:
     """The torch thread count of one process: its own, plus `borrow` while `other` has
-    had no work for `grace_s`, since before this process's current work began, and the
-    machine has a core free for them (checked by `pick()` before each unit of work).
-
-    A pool idle since before this work began waits on it (a synchronous step: the servers
-    wait for the trainer's next version). One that went idle during it has only run out of
-    its lead (η ≥ 1, trainer-bound) and resumes when this pool's progress reaches it,
-    on the thread borrowed from it. Quiet, η = 1 / 2 / 4 trained 106.8 / 101.4 / 102.2
-    samples/s borrowing in those lulls, against 107.5 / 107.1 / 105.7 with lending off, and
-    η = 0, the case lending is for, 82 against 72.
+    had no work for `grace_s` and the machine has a core free for them (checked by
+    `pick()` before each unit of work).
 
     The free core is judged by the threads runnable machine-wide at the pick, less this
     process's own: a process outside the run (a neighbour) busy on a core would share it
@@ -178,10 +168,7 @@ class ThreadLender:
         import torch
 
         now = time.monotonic()
-        idle, since = self.ledger.idle_for(self.other), self.ledger.busy_since
-        # Idle since before this work began: it waits on this pool (a synchronous step). One that
-        # went idle during it is between two pieces of its own work and resumes when this ends.
-        lend = idle >= self.grace_s and (since is None or idle >= time.time() - since) and self._core_free(now)
+        lend = self.ledger.idle_for(self.other) >= self.grace_s and self._core_free(now)
         want = self.own + (self.borrow if lend else 0)
         if self._since is not None:
             self.borrowed_s += now - self._since
