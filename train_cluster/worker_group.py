@@ -132,7 +132,8 @@ class _TrainWorker:
             self.ledger.working(False)
             self.engine.thread_lender = ThreadLender(self.ledger, own=cfg.backend.threads,
                                                      borrow=int(lend["borrow"]), other="rollout",
-                                                     grace_s=float(lend.get("grace_s", 0.1)))
+                                                     grace_s=float(lend.get("grace_s", 0.1)),
+                                                     crowded_hold_s=float(lend.get("crowded_hold_s", 1.0)))
         return self.engine.version, self.rank
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -120,7 +120,8 @@ def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
     """Where the pools' core ledger lives and how many threads each pool may borrow
     (`cluster.lend_idle_threads`, docs/design.md §10.16), or None: only CPU pools on one
     machine (no `cluster.ray_address`) lend. With `cluster.colocate` they always do, and
-    the train ranks take the servers' threads as soon as the servers hold (no grace).
+    the train ranks take the servers' threads as soon as the servers hold (no grace, no
+    neighbour hold).
 
     The ledger is a file in the trainer's run folder, so a pool lends only when that
     folder exists on this machine: `areal-like rollout` on a machine of its own (or
@@ -141,4 +142,7 @@ def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
     return {"path": str(Path(cfg.run.dir) / ".cores"),
             "train_borrow": rollout_threads // backend.world_size,
             "train_grace_s": 1e-6 if c.colocate else 0.1,
+            # colocated, the servers are held for the step by protocol: their process's own
+            # moments of work are no neighbour to keep the threads home from (§10.16)
+            "train_crowded_hold_s": 0.0 if c.colocate else 1.0,
             "rollout_borrow": train_threads // cfg.rollout.num_servers}

@@ -92,7 +92,8 @@ class TrainerSide:
         from areal_like.orchestration.pools import thread_lending
 
         lending = thread_lending(cfg)
-        lend = ({"path": lending["path"], "borrow": lending["train_borrow"], "grace_s": lending["train_grace_s"]}
+        lend = ({"path": lending["path"], "borrow": lending["train_borrow"], "grace_s": lending["train_grace_s"],
+                 "crowded_hold_s": lending["train_crowded_hold_s"]}
                 if lending else None)
         self.group = TrainWorkerGroup(self.model_path, cfg.train_for_workers(), dtype=cfg.model.dtype,
                                       seed=cfg.run.seed, lend=lend,
