@@ -4,8 +4,9 @@ A small memory-mapped file (`run.dir/.cores`) holds one slot per process: a roll
 server or a train rank writes `+t` when it starts having work and `-t` when it runs out
 (only on changes, so it costs nothing while a pool stays busy). Another pool reads the
 slots and, while every process of a pool has had no work for `grace_s` and no process
-outside the run holds the core, nor did at its last check within a second (`ThreadLender`), runs its torch ops on that pool's
-threads too; it gives them back at its next check once either changes. A pool no process
+outside the run holds the core, nor was seen holding it within the last second
+(`ThreadLender`), runs its torch ops on that pool's threads too; it gives them back at its
+next check once either changes. A pool no process
 of this machine has written (the other side runs elsewhere) never lends anything.
 
 The file lives in the trainer's run folder; a process started where that folder does not
@@ -126,9 +127,10 @@ class ThreadLender:
 
     A neighbour seen at two checks 50 ms to 0.5 s apart (none free between) keeps the threads
     home for `crowded_hold_s`: one that comes and goes (busy 0.5 s, idle 0.5 s) is free at
-    half the checks and back within the borrowed thread's next micro-batch. One check alone
-    does not: the run's own processes have threads that run for a moment (a socket, a loop). Beside it, borrowing made the trainer spend 0.57-0.62 core-s a
-    step against 0.53-0.55 unborrowed, on a machine that had no core-second to spare."""
+    half the checks and back within the borrowed thread's next micro-batch. Beside it,
+    borrowing made the trainer spend 0.57-0.62 core-s a step against 0.53-0.55 unborrowed,
+    on a machine that had no core-second to spare. One check alone does not hold: the
+    run's own processes have threads that run for a moment (a socket, a loop)."""
 
     def __init__(self, ledger: CoreLedger, own: int, borrow: int, other: str, grace_s: float = 0.1,
                  runnable: Callable[[], int | None] = runnable_threads, cpus: int | None = -1,
