@@ -1,8 +1,8 @@
 """Dist transport: a dedicated torch.distributed group (trainer rank 0 + every rollout engine).
 
-Why one file of ~950 lines: the sender, the receiver and the membership/rendezvous
-protocol they share (store keys and their append-only logs, the plan, the 6-int header,
-the commit allreduce) change together; split apart, each half would restate the wire
+Why this file is long: about 1,000 lines hold the sender, the receiver and the
+membership/rendezvous protocol they share (store keys and their append-only logs, the plan, the 6-int header,
+the bucket layout, the commit allreduce) change together; split apart, each half would restate the wire
 format the other must match. The log writers (`_register`, the ready line, `leave_group`)
 and their reader (`_AppendLog`) must agree on the two-step append, which is why they
 stay side by side (docs/design.md §10.35).
@@ -13,11 +13,6 @@ default group and hangs (docs/design.md §8). So the sender hosts its own `TCPSt
 (`weight_sync.store_addr`, port 0 = pick) and every group generation is a
 `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) constructed directly on a
 `PrefixStore("gen{g}/")` of it. Nothing here touches the default group.
-
-Why this file is long: it is both ends of one wire protocol (the sender, its membership
-view `_Membership`, the receiver, and the generations, store keys, header, bucket layout
-and commit barrier they share); kept together so a change to one side is read beside the
-other.
 
 What travels where:
 - The meta (names, dtypes, shapes, checksum) goes on the orchestrator's control
