@@ -56,6 +56,36 @@ def test_the_lender_borrows_while_the_other_pool_is_idle_and_gives_back(tmp_path
         torch.set_num_threads(before)
 
 
+def test_a_lull_that_began_before_the_trainers_version_went_out_counts_only_from_then(tmp_path) -> None:
+    """Servers a version ahead wait for the trainer's next version: their lull ends when the
+    version goes out, just as the trainer's next step begins. Borrowing their threads then
+    lands a thread on a core they take back within a micro-batch."""
+    path = tmp_path / ".cores"
+    server = CoreLedger(path, "rollout", 0)
+    before = torch.get_num_threads()
+    lender = ThreadLender(CoreLedger(path, "train", 0), own=1, borrow=1, other="rollout", grace_s=0.05,
+                          runnable=lambda: 1, cpus=2)
+    try:
+        server.working(False)
+        time.sleep(0.06)
+        assert lender.pick() == 2  # idle for the grace period, within the step
+        lender.done()
+        lender.published()
+        assert lender.pick() == 1  # the same lull, now that a version went out: not yet
+        time.sleep(0.06)
+        assert lender.pick() == 2  # the servers stayed idle past the version: a lull of their own
+        lender.published()
+        server.working(True)
+        time.sleep(0.03)
+        server.working(False)  # busy, then idle again after the version: counts from its start
+        time.sleep(0.03)
+        assert lender.pick() == 1
+        time.sleep(0.03)
+        assert lender.pick() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_lender_leaves_a_core_that_a_process_outside_the_run_holds(tmp_path) -> None:
     """A borrowed thread on a core a neighbour is busy on makes every parallel region wait
     for it (a 2-core train step: 1.25 s on 2 threads against 0.59 s on 1): the lender
@@ -135,9 +165,9 @@ def test_a_run_borrows_threads_only_when_lending_is_on(tiny_model_dir, tmp_path,
     """The quickstart shape: each pool records the seconds it ran on borrowed threads."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    sets = [f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.total_steps=4", "train.batch_size=2",
+    sets = [f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.total_steps=4", "train.batch_size=16",
             "rollout.group_size=4", "rollout.response_length=24", "staleness.filter_uniform_groups=false",
-            "eval.every_n_steps=0", f"cluster.lend_idle_threads={str(lend).lower()}"]
+            "eval.every_n_steps=0", "staleness.max_staleness=0", f"cluster.lend_idle_threads={str(lend).lower()}"]
     p = subprocess.run([sys.executable, "-m", "areal_like.orchestration.cli", "run", "configs/quickstart.yaml",
                         *[x for s in sets for x in ("--set", s)]], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=280)
@@ -146,8 +176,9 @@ def test_a_run_borrows_threads_only_when_lending_is_on(tiny_model_dir, tmp_path,
     trained = [r.get("train_borrowed_thread_s") for r in recs if r["kind"] == "train_step"]
     served = [r.get("rollout_borrowed_thread_s", 0.0) for r in recs if r["kind"] == "rollout"]
     if lend:
-        # the servers wait for the trainer's first steps and the trainer for the first groups:
-        # each pool has run on the other's threads
+        # synchronous (η = 0): the servers wait for each step and the trainer for each batch,
+        # so each pool has run on the other's threads (16 groups: each phase outlasts the
+        # 0.1 s grace)
         assert trained[-1] > 0 and max(served) > 0, (trained, served)
         assert (run_dir / ".cores").is_file()
     else:

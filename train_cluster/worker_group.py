@@ -153,6 +153,7 @@ class _TrainWorker:
             if ledger is not None:
                 ledger.working(False)
                 self.engine.thread_lender.done()
+                self.engine.thread_lender.published()
         # this process's CPU seconds so far, every thread: the train pool's cores used
         stats = {**stats, "cpu_s": time.process_time()}
         if ledger is not None:

@@ -6,7 +6,8 @@ server or a train rank writes `+t` when it starts having work and `-t` when it r
 slots and, while every process of a pool has had no work for `grace_s` and no process
 outside the run holds the core, nor was seen holding it within the last second
 (`ThreadLender`), runs its torch ops on that pool's threads too; it gives them back at its
-next check once either changes. A pool no process
+next check once either changes. A trainer counts a lull of the servers that began before
+its last version went out only from that moment (`ThreadLender.published`). A pool no process
 of this machine has written (the other side runs elsewhere) never lends anything.
 
 The file lives in the trainer's run folder; a process started where that folder does not
@@ -72,15 +73,20 @@ class CoreLedger:
         now = time.time()
         struct.pack_into("d", self._map, self.slot * 8, now if busy else -now)
 
-    def idle_for(self, pool: str) -> float:
-        """Seconds every process of `pool` has had no work (0 while one has some, or when
-        none has ever written: a pool we cannot see lends nothing)."""
+    def idle_since(self, pool: str) -> float | None:
+        """The wall time since which every process of `pool` has had no work (None while one
+        has some, or when none has ever written: a pool we cannot see lends nothing)."""
         base = _BASE[pool]
         values = struct.unpack_from(f"{32}d", self._map, base * 8)
         seen = [v for v in values if v != 0.0]
         if not seen or any(v > 0 for v in seen):
-            return 0.0
-        return max(0.0, time.time() - max(-v for v in seen))
+            return None
+        return max(-v for v in seen)
+
+    def idle_for(self, pool: str) -> float:
+        """Seconds every process of `pool` has had no work (0 while one has some, or none wrote)."""
+        since = self.idle_since(pool)
+        return 0.0 if since is None else max(0.0, time.time() - since)
 
     def close(self) -> None:
         try:
@@ -147,6 +153,7 @@ class ThreadLender:
         self.crowded_hold_s = crowded_hold_s
         self._crowded_at = -float("inf")
         self._first_crowded: float | None = None
+        self._lull_after = -float("inf")
 
     def _core_free(self, now: float) -> bool:
         if self._cpus is None:
@@ -170,7 +177,9 @@ class ThreadLender:
         import torch
 
         now = time.monotonic()
-        lend = self.ledger.idle_for(self.other) >= self.grace_s and self._core_free(now)
+        since = self.ledger.idle_since(self.other)
+        idle = 0.0 if since is None else time.time() - max(since, self._lull_after)
+        lend = idle >= self.grace_s and self._core_free(now)
         want = self.own + (self.borrow if lend else 0)
         if self._since is not None:
             self.borrowed_s += now - self._since
@@ -181,6 +190,14 @@ class ThreadLender:
         if want > self.own:
             self._since = now
         return want
+
+    def published(self) -> None:
+        """This process just finished what `other` waits for (a trainer's step: its version
+        goes out next). A lull of `other` that began before now counts only from now: the
+        version may be what ends it. A trainer a version ahead (η ≥ 1) otherwise took the
+        servers' wait for that version as a lull and borrowed their threads for the first
+        micro-batch of its next step, as they went back to work on it."""
+        self._lull_after = time.time()
 
     def done(self) -> None:
         """The unit of work is over: stop counting borrowed time (keep the threads until the next pick)."""
