@@ -21,16 +21,16 @@ def test_a_pool_is_idle_only_when_every_process_of_it_is(tmp_path) -> None:
     path = tmp_path / ".cores"
     s0, s1 = CoreLedger(path, "rollout", 0), CoreLedger(path, "rollout", 1)
     trainer = CoreLedger(path, "train", 0)
-    assert trainer.idle_for("rollout") == 0.0  # nobody wrote yet: a pool we cannot see lends nothing
+    assert trainer.idle_since("rollout") is None  # nobody wrote yet: a pool we cannot see lends nothing
     s0.working(True)
     s1.working(False)
-    assert trainer.idle_for("rollout") == 0.0  # one server still has work
+    assert trainer.idle_since("rollout") is None  # one server still has work
     s0.working(False)
     time.sleep(0.05)
-    assert trainer.idle_for("rollout") >= 0.04
+    assert time.time() - trainer.idle_since("rollout") >= 0.04
     s1.working(True)
-    assert trainer.idle_for("rollout") == 0.0
-    assert s0.idle_for("train") == 0.0  # the trainer never wrote
+    assert trainer.idle_since("rollout") is None
+    assert s0.idle_since("train") is None  # the trainer never wrote
 
 
 def test_the_lender_borrows_while_the_other_pool_is_idle_and_gives_back(tmp_path) -> None:
@@ -156,7 +156,7 @@ def test_no_run_folder_on_this_machine_means_no_ledger_and_no_folder_made(tmp_pa
     alone = CoreLedger(tmp_path / "gone" / ".cores", "rollout", 0)
     assert not alone.shared and not (tmp_path / "gone").exists()
     alone.working(False)
-    assert alone.idle_for("train") == 0.0
+    assert alone.idle_since("train") is None
     alone.close()
 
 

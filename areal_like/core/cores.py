@@ -83,11 +83,6 @@ class CoreLedger:
             return None
         return max(-v for v in seen)
 
-    def idle_for(self, pool: str) -> float:
-        """Seconds every process of `pool` has had no work (0 while one has some, or none wrote)."""
-        since = self.idle_since(pool)
-        return 0.0 if since is None else max(0.0, time.time() - since)
-
     def close(self) -> None:
         try:
             self.working(False)
