@@ -72,8 +72,9 @@ def build_engine(
 
     if set_threads:
         torch.set_num_threads(config.threads)
-    from areal_like.core.precision import resolve_dtype, torch_dtype
+    from areal_like.core.precision import bound_onednn_cache, resolve_dtype, torch_dtype
 
+    bound_onednn_cache()
     dt = torch_dtype(resolve_dtype(dtype, config.device))
     return AsyncEngine(EmbeddedEngine(model_path, config, interrupt_mode=interrupt_mode, seed=seed, dtype=dt))
 

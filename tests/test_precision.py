@@ -155,3 +155,20 @@ def test_a_bf16_engine_computes_as_the_trainers_autocast_does(tmp_path) -> None:
     ours = (torch.tensor([x for o in outs for x in o.logprobs]) - trainer).abs().mean().item()
     all_bf16 = (logprobs(bf16, autocast=False) - trainer).abs().mean().item()
     assert ours < 0.75 * all_bf16, (ours, all_bf16)
+
+
+def test_a_rollout_server_bounds_onednns_primitive_cache_unless_the_user_set_it(tiny_model_dir) -> None:
+    """oneDNN keeps one primitive per matmul shape (1024 by default) and a server's shapes
+    change every step: the SmolLM2 recipe's server grew by ~550 MB over 20 steps until the
+    cache was bounded. oneDNN reads the bound at its first primitive, so it must be in the
+    server's environment by the time its engine is built; a user's own value stands."""
+    code = (f"import os\nfrom rollout_cluster.server import build_engine\n"
+            f"build_engine({str(tiny_model_dir)!r}, dtype='bfloat16', set_threads=False)\n"
+            "print('cache', os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), flush=True)\nos._exit(0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    for given, expected in ((None, precision.ONEDNN_CACHE), ("7", "7")):
+        run_env = env if given is None else {**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": given}
+        p = subprocess.run([sys.executable, "-c", code], env=run_env, cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert f"cache {expected}" in p.stdout

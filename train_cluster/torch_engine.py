@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from areal_like.core.config import LoraConfig, TorchBackendConfig, TrainConfig
-from areal_like.core.precision import resolve_dtype, torch_dtype
+from areal_like.core.precision import bound_onednn_cache, resolve_dtype, torch_dtype
 from areal_like.models.lite import load_causal_lm
 from train_cluster.batch import TrainBatch
 from train_cluster.engine import TrainEngine, lr_factor
@@ -92,6 +92,7 @@ class TorchTrainEngine(TrainEngine):
         if not isinstance(backend, TorchBackendConfig):
             raise ValueError(f"TorchTrainEngine needs train.backend.type=torch, got {backend.type!r}")
         dtype = resolve_dtype(dtype, backend.device)  # refuses float16: it would need loss scaling
+        bound_onednn_cache()
         super().__init__(train_cfg)
         self.backend = backend
         self.device = check_device(backend.device)
