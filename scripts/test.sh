@@ -39,6 +39,10 @@ case "${1:-}" in
     . .venv-vllm-gpu/bin/activate
     ;;
 esac
+# The real-model tests write ~2.6 GB each while they run (weights of every version); a passing
+# test's folder is removed as it ends (pyproject: tmp_path_retention_policy).
+free_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR==2 {print int($4 / 1048576)}')
+[ "${free_gb:-99}" -lt 6 ] && echo "[test] warning: ${free_gb} GB free under ${TMPDIR:-/tmp}; the real-model tests need ~3 GB each"
 set +e
 python -m pytest -q -m "$marker" -p no:cacheprovider "$@"
 rc=$?
