@@ -234,6 +234,7 @@ def sets_for(eta: int, mode: str, seed: int, steps: int, eval_samples: int, eval
     """The overrides of one run; `mode` is the objective it runs (naive or decoupled)."""
     return [
         f"staleness.max_staleness={eta}",
+        "staleness.lead=full",  # every sample η old, as the ablation means (not the least lead that feeds)
         f"train.loss.naive_ppo_ablation={'true' if mode == 'naive' else 'false'}",
         "train.loss.behav_weight_mode=cap",
         f"run.seed={seed}",

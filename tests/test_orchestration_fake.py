@@ -131,7 +131,8 @@ def _run(tmp_path, steps: int, resume: bool = False, trainer: FakeTrainer | None
             pusher = DataPusher(puller.addr)
             sub = ControlSubscriber(publisher.addr)
             ctl = RolloutController(
-                gate=StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, 16),
+                gate=StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, 16,
+                                   adaptive_lead=cfg.staleness.lead == "adaptive"),
                 source=PromptSource(_rows(), seed=seed),
                 group_size=cfg.rollout.group_size,
                 sampling=SamplingParams(),
@@ -205,12 +206,50 @@ def test_a_collapse_hidden_by_stale_batches_is_said_on_the_console(tmp_path, cap
     resume from, before the trained reward has fallen."""
     with caplog.at_level(logging.WARNING, logger="areal_like.orchestration.trainer_policies"):
         _, rd, summary, _ = _run(tmp_path, 14, eta=4, rollout=CollapsingRollout(0),
-                                 extra=("staleness.filter_uniform_groups=false",))
+                                 extra=("staleness.filter_uniform_groups=false", "staleness.lead=full"))
     said = [r.getMessage() for r in caplog.records if "newest episodes' reward fell" in r.getMessage()]
     assert len(said) == 1, said
     assert "η=4" in said[0] and "or earlier" in said[0], said[0]
     steps = [r for r in read_jsonl(rd.metrics) if r["kind"] == "train_step"]
     assert any(r["reward_mean_all_groups"] < 0.3 for r in steps if "reward_mean_all_groups" in r)
+
+
+class SlowRollout(FakeRollout):
+    """Episodes of ~40 ms: a trainer with nothing to compute waits for every batch."""
+
+    async def run_episode(self, row, sampling, eid):
+        await asyncio.sleep(0.04)
+        return await super().run_episode(row, sampling, eid)
+
+
+@pytest.mark.parametrize("lead", ["adaptive", "full"])
+def test_eta_is_a_bound_the_lead_follows_the_trainer(tmp_path, lead) -> None:
+    """η = 4 with a trainer slower than the servers (docs/design.md §10.50). `full` runs
+    4 versions ahead, so the later steps train samples 4 versions old; `adaptive` keeps
+    the one version of lead that feeds the trainer, so they are 1 old, and the rollout
+    side's records say L = 1."""
+    _, rd, summary, _ = _run(tmp_path, steps=14, eta=4, trainer=FakeTrainer(step_s=0.15), rollout=FakeRollout(0),
+                             extra=(f"staleness.lead={lead}", "staleness.filter_uniform_groups=false"))
+    recs = read_jsonl(rd.metrics)
+    late = [r for r in recs if r["kind"] == "train_step"][8:]
+    leads = [r["gate_lead"] for r in recs if r["kind"] == "rollout" and "gate_lead" in r]
+    if lead == "full":
+        assert all(r["mean_version_lag"] >= 3.5 for r in late), [r["mean_version_lag"] for r in late]
+        assert set(leads) == {4}
+    else:
+        assert all(r["max_version_lag"] <= 1 for r in late), [r["max_version_lag"] for r in late]
+        assert leads and leads[-1] == 1
+
+
+def test_a_trainer_that_waits_for_data_gets_the_lead_eta_allows(tmp_path) -> None:
+    """The other side of §10.50: with slow episodes and a trainer with nothing to compute,
+    every step waits for its data, and the lead rises to η = 3 (one version per wait)."""
+    _, rd, summary, _ = _run(tmp_path, steps=8, eta=3, trainer=FakeTrainer(step_s=0.0), rollout=SlowRollout(0),
+                             extra=("staleness.filter_uniform_groups=false",))
+    recs = read_jsonl(rd.metrics)
+    leads = [r["gate_lead"] for r in recs if r["kind"] == "rollout" and "gate_lead" in r]
+    assert leads[0] == 1 and max(leads) == 3, leads
+    assert all(r["max_version_lag"] <= 3 for r in recs if r["kind"] == "train_step")
 
 
 def test_without_colocate_nothing_is_held(tmp_path) -> None:

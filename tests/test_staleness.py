@@ -133,15 +133,20 @@ def test_buffer_put_back_when_stale_group_hides_behind_fresh_head() -> None:
     assert [g.group_id for g in b.pop_batch(5, 1)] == ["fresh"]
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("eta", [0, 1, 3])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_simulated_async_run_respects_bound_and_counts_add_up(eta: int, seed: int) -> None:
+def test_simulated_async_run_respects_bound_and_counts_add_up(eta: int, seed: int, adaptive: bool) -> None:
     """A fake rollout side (random durations, failures, uniform groups) and a fake
-    trainer (random step times) exchanging counts like the real channels do."""
+    trainer (random step times) exchanging counts like the real channels do; with the
+    adaptive lead, the trainer's waits and spare steps move it."""
     rng = random.Random(seed)
     n, groups_per_step = 4, 2
     B = n * groups_per_step
-    gate = StalenessGate(B, eta, max_concurrent=6 * n)
+    gate = StalenessGate(B, eta, max_concurrent=6 * n, adaptive_lead=adaptive)
+    starved = spare = 0
+    waiting_since: float | None = None
+    leads = set()
     buf = TrajectoryBuffer(eta)
     loaded = trainer_v = 0
     running: list[tuple[float, int, str]] = []  # (finish time, start version, id)
@@ -167,11 +172,18 @@ def test_simulated_async_run_respects_bound_and_counts_add_up(eta: int, seed: in
             batch = buf.pop_batch(trainer_v, groups_per_step)
             if batch is not None:
                 assert all(trainer_v - g.head_version <= eta for g in batch)
+                starved += int(waiting_since is not None and t - waiting_since > 0.1)
+                spare += int(buf.prompts >= groups_per_step)
+                waiting_since = None
                 buf.mark_trained(batch)
                 trainer_v += 1
                 pending_loads.append((t + sync_lag, trainer_v))
-            gate.on_trainer_counts(buf.consumed, buf.dropped_sent, trainer_version=trainer_v)
-            next_train = t + rng.uniform(0.2, 1.5)
+            elif waiting_since is None and trainer_v > 0:
+                waiting_since = t
+            gate.on_trainer_counts(buf.consumed, buf.dropped_sent, trainer_version=trainer_v,
+                                   starved=starved, spare=spare)
+            leads.add(gate.lead)
+            next_train = t + (rng.uniform(0.2, 1.5) if batch is not None else 0.05)
         for item in [p for p in pending_loads if p[0] <= t]:
             pending_loads.remove(item)
             loaded = max(loaded, item[1])
@@ -182,6 +194,66 @@ def test_simulated_async_run_respects_bound_and_counts_add_up(eta: int, seed: in
     assert TrajectoryBuffer.counts_add_up(summary), summary
     assert set(summary) == set(OUTCOMES) | {"started"}
     assert max(buf.lag_history) <= eta
+    assert max(leads) <= eta and min(leads) >= min(1, eta)
+    if not adaptive:
+        assert leads == {eta}
+
+
+def test_the_adaptive_lead_rises_with_each_wait_and_falls_after_calm_versions() -> None:
+    """docs/design.md §10.50 at the gate: L starts at 1, takes one more version per
+    announcement that says the trainer waited (up to η), and gives one back after 4
+    versions in a row whose steps each began with the next batch buffered. Capacity is
+    (L + v + 1) · B; repeated announcements of one version move nothing."""
+    B = 8
+    g = StalenessGate(B, 4, max_concurrent=1000, adaptive_lead=True)
+    assert g.lead == 1 and g.capacity == 2 * B
+    g.on_trainer_counts(0, 0, trainer_version=1, starved=0)
+    g.on_trainer_counts(8, 0, trainer_version=2, starved=1)
+    assert g.lead == 2
+    g.on_trainer_counts(8, 0, trainer_version=2, starved=1)  # a heartbeat: the same count
+    assert g.lead == 2
+    for starved in (2, 3, 4, 5):
+        g.on_trainer_counts(8, 0, trainer_version=2, starved=starved)
+    assert g.lead == 4  # η caps it
+    g.set_loaded_version(2)
+    assert g.capacity == (4 + 2 + 1) * B
+    spare = 0
+    for v in range(3, 6):  # three spare versions: not yet
+        spare += 1
+        g.on_trainer_counts(8 * v, 0, trainer_version=v, starved=5, spare=spare)
+    assert g.lead == 4
+    g.on_trainer_counts(8 * 6, 0, trainer_version=6, starved=5, spare=spare)  # v6's step was not spare
+    assert g.lead == 4
+    for v in range(7, 11):
+        spare += 1
+        g.on_trainer_counts(8 * v, 0, trainer_version=v, starved=5, spare=spare)
+    assert g.lead == 3
+    # step 11 began spare, said first by a drop announcement within it (still v10), then by
+    # v11's own: one spare version, not lost; v12–v14 spare too make four: one less
+    spare += 1
+    g.on_trainer_counts(80, 4, trainer_version=10, starved=5, spare=spare)
+    g.on_trainer_counts(88, 4, trainer_version=11, starved=5, spare=spare)
+    for v in range(12, 15):
+        spare += 1
+        g.on_trainer_counts(8 * v, 4, trainer_version=v, starved=5, spare=spare)
+    assert g.lead == 2
+    for v in range(15, 100):
+        spare += 1
+        g.on_trainer_counts(8 * v, 4, trainer_version=v, starved=5, spare=spare)
+    assert g.lead == 1  # never below one version
+    g.rebase()  # a new trainer: its counts start again, and so does L
+    assert g.lead == 1 and g._starved == 0
+
+
+@pytest.mark.parametrize("eta", [0, 3])
+def test_the_full_lead_is_eta_whatever_the_trainer_says(eta: int) -> None:
+    g = StalenessGate(4, eta, max_concurrent=100)
+    for v in range(1, 20):
+        g.on_trainer_counts(4 * v, 0, trainer_version=v, starved=v % 3, spare=v)
+    assert g.lead == eta
+    h = StalenessGate(4, 0, max_concurrent=100, adaptive_lead=True)
+    h.on_trainer_counts(0, 0, trainer_version=1, starved=3)
+    assert h.lead == 0  # η = 0 is synchronous either way
 
 
 def test_buffer_state_round_trip() -> None:

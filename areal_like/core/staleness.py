@@ -2,7 +2,7 @@
 
 A new group of n episodes is admitted only while
 
-    accepted + running + n <= (η + v + 1) · B      and      running + n <= max_concurrent
+    accepted + running + n <= (L + v + 1) · B + ahead     and     running + n <= max_concurrent
 
 where `v` is the newest weight version the rollout side has loaded, `B` the samples
 per train step, `running` the episodes started and not finished, and `accepted` the
@@ -20,6 +20,14 @@ at the latest in step `η + v`, i.e. with lag `v_t − v ≤ η`. Drops free the
 (the trainer's announcements carry cumulative dropped counts), so the gate never
 stays shut while the trainer waits. The trainer re-checks the bound at consume time
 anyway (`TrajectoryBuffer`), because drops and failures can reorder what it sees.
+
+The lead L (docs/design.md §10.50). With `adaptive_lead`, L starts at 1 (0 at η = 0) and
+rises by one, up to η, each time the trainer says it waited for data (its cumulative
+`starved` count grew); after `calm_versions` versions in a row whose steps each began with
+the next step's data already buffered (`spare`) it falls by one. η is a bound, not a target: where one version of lead keeps the trainer fed, the
+rollout side does not run η versions ahead of it, so the trainer trains fresher samples
+at the same speed. Without it (`staleness.lead: full`), L = η, as in AReaL. Since L ≤ η,
+the argument above holds with L in place of η.
 """
 
 from __future__ import annotations
@@ -50,16 +58,27 @@ class GateState:
 class StalenessGate:
     """Pure admission arithmetic; the controller calls it from one event loop."""
 
-    def __init__(self, samples_per_step: int, max_staleness: int, max_concurrent: int) -> None:
-        if samples_per_step < 1 or max_staleness < 0 or max_concurrent < 1:
+    def __init__(self, samples_per_step: int, max_staleness: int, max_concurrent: int, *,
+                 adaptive_lead: bool = False, calm_versions: int = 4) -> None:
+        if samples_per_step < 1 or max_staleness < 0 or max_concurrent < 1 or calm_versions < 1:
             raise ValueError(
-                f"bad gate parameters: B={samples_per_step} η={max_staleness} max_concurrent={max_concurrent}"
+                f"bad gate parameters: B={samples_per_step} η={max_staleness} max_concurrent={max_concurrent} "
+                f"calm_versions={calm_versions}"
             )
         self.B = samples_per_step
         self.eta = max_staleness
         self.max_concurrent = max_concurrent
+        self.adaptive_lead = adaptive_lead
+        self.calm_versions = calm_versions
         self.s = GateState()
         self._ahead_version = -1
+        self._reset_lead()
+
+    def _reset_lead(self) -> None:
+        self.lead = min(1, self.eta) if self.adaptive_lead else self.eta
+        """L: versions the rollout side may run ahead of what it has loaded (≤ η)."""
+        self._starved = self._spare = self._calm = 0
+        self._lead_version = -1
 
     @property
     def accepted(self) -> int:
@@ -68,7 +87,7 @@ class StalenessGate:
     @property
     def capacity(self) -> int:
         """Total samples that may ever be accepted + running at the loaded version."""
-        return (self.eta + self.s.version + 1) * self.B + self.s.ahead
+        return (self.lead + self.s.version + 1) * self.B + self.s.ahead
 
     def free_slots(self) -> int:
         return min(self.capacity - self.accepted - self.s.running, self.max_concurrent - self.s.running)
@@ -107,17 +126,40 @@ class StalenessGate:
         self.max_concurrent = n
 
     def on_trainer_counts(self, consumed: int, dropped: int, sent_base: int = 0,
-                          trainer_version: int | None = None) -> None:
+                          trainer_version: int | None = None, starved: int = 0, spare: int = 0) -> None:
         """Apply a trainer announcement's cumulative counts. Repeated or reordered
         announcements are harmless (max keeps the newest). The version in the same
         announcement only counts once the engines have loaded it (`set_loaded_version`);
-        with it, samples consumed beyond B per step widen the bound (`ahead`)."""
+        with it, samples consumed beyond B per step widen the bound (`ahead`). `starved` and
+        `spare`: the trainer's steps that waited for data, and that began with the next
+        step's data buffered (cumulative), which move the lead."""
         self.s.consumed = max(self.s.consumed, consumed)
         self.s.dropped = max(self.s.dropped, dropped)
         self.s.sent_base = max(self.s.sent_base, sent_base)
         if trainer_version is not None and trainer_version >= self._ahead_version:
             self._ahead_version = trainer_version
             self.s.ahead = max(0, consumed - trainer_version * self.B)
+        if self.adaptive_lead:
+            self._follow_lead(starved, spare, trainer_version)
+
+    def _follow_lead(self, starved: int, spare: int, trainer_version: int | None) -> None:
+        """One more version of lead as soon as the trainer says a step waited for data.
+        One less after `calm_versions` versions in a row whose steps each began with the
+        next step's data already buffered: one version less of lead would still have had it
+        ready in time. Within [min(1, η), η]."""
+        if starved > self._starved:
+            self._starved = starved
+            self.lead = min(self.eta, self.lead + 1)
+            self._calm = 0
+        if trainer_version is None or trainer_version <= self._lead_version:
+            return  # a heartbeat, or a drop announcement within a step: the counts are per version
+        if self._lead_version >= 0:
+            all_spare = spare - self._spare >= trainer_version - self._lead_version
+            self._calm = self._calm + 1 if all_spare else 0
+            if self._calm >= self.calm_versions:
+                self.lead = max(min(1, self.eta), self.lead - 1)
+                self._calm = 0
+        self._lead_version, self._spare = trainer_version, spare
 
     def set_loaded_version(self, version: int) -> None:
         """The engines now serve `version` (capacity follows what is loaded)."""
@@ -128,6 +170,7 @@ class StalenessGate:
         (`sent_base`, consumed, dropped); what this side sent before is not its to count."""
         self.s = GateState(rejected_at_gate=self.s.rejected_at_gate)
         self._ahead_version = -1
+        self._reset_lead()
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self.s)

@@ -59,9 +59,12 @@ previous reply's `latest_time` as the next `since` and appends):
         gate_capacity, gate_running, gate_accepted,               staleness gate, in samples:
         gate_consumed, gate_dropped, gate_rejected_at_gate,       accepted = sent_base + sent -
         gate_free                                                 dropped; free = capacity -
-                                                                  accepted - running (what η
-                                                                  still admits); rejected_at_gate
-                                                                  counts refused admissions
+                                                                  accepted - running (what the
+                                                                  lead L still admits);
+                                                                  rejected_at_gate counts refused
+                                                                  admissions
+        gate_lead                                                 L: versions the rollout side may
+                                                                  run ahead (≤ η, §10.50)
         over_stale                                                cumulative over-stale drops
                                                                   (train_step `over_stale`)
         buffer_depth                                              samples waiting to train
@@ -139,6 +142,7 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("gate_consumed", "rollout", "gate_consumed"),
     ("gate_dropped", "rollout", "gate_dropped"),
     ("gate_rejected_at_gate", "rollout", "gate_rejected_at_gate"),
+    ("gate_lead", "rollout", "gate_lead"),
     ("over_stale", "train_step", "over_stale"),
     ("buffer_depth", "train_step", "buffer_depth"),
     ("gen_tokens_per_s", "rollout", "gen_tokens_per_s"),

@@ -243,7 +243,8 @@ class RolloutController:
         self.follow.refuse_if_another(ann)
         if ann.servers and self.resize_pool is not None and not ann.stop:
             self.resize_pool(ann.servers)  # returns at once; the pool grows or drains beside the schedule
-        self.gate.on_trainer_counts(ann.counts.consumed, ann.counts.dropped, ann.counts.sent_base, ann.version)
+        self.gate.on_trainer_counts(ann.counts.consumed, ann.counts.dropped, ann.counts.sent_base, ann.version,
+                                    starved=ann.counts.starved, spare=ann.counts.spare)
         await self.hold.follow(ann, before_weights=True)
         meta = ann.weights
         if meta is not None:
@@ -300,7 +301,7 @@ class RolloutController:
             started=self.book.started,
             running=self.gate.s.running,
             cancelled=self.book.cancelled,
-            gate=GateSnapshot(**self.gate.state_dict(), capacity=self.gate.capacity),
+            gate=GateSnapshot(**self.gate.state_dict(), capacity=self.gate.capacity, lead=self.gate.lead),
             outcomes=self.book.snapshot(),
             data_position=self.data_position(),
             counters=self.outbox.budget(),

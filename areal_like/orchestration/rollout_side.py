@@ -280,7 +280,8 @@ class RolloutSide:
         from areal_like.core.staleness import StalenessGate
 
         cfg = self.cfg
-        return StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent)
+        return StalenessGate(cfg.samples_per_step, cfg.staleness.max_staleness, cfg.staleness.max_concurrent,
+                             adaptive_lead=cfg.staleness.lead == "adaptive")
 
     # ---- what the controller calls ---------------------------------------------------------
     async def join_weights(self, ann: VersionAnnouncement) -> None:

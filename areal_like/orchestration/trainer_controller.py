@@ -175,6 +175,9 @@ class TrainerController:
         if pool is not None:  # `elastic.PoolRequest`: the server count asked for through the dashboard (§10.24)
             pool.follow(lambda: self.reports.latest, lambda: self.end.stopping, lambda: self.trainer.version)
         self.sent_base = 0
+        self.starved = self.spare = 0
+        """Steps of this trainer that waited for data (its first apart), and that began with
+        the next step's data buffered: `GateCounts.starved`, `.spare`."""
 
     @property
     def mlog(self) -> MetricsLog:
@@ -254,6 +257,7 @@ class TrainerController:
         self.budget = StepBudget()  # the first step's interval starts here
         t_wait = time.time()
         look_s = 0.05
+        data_wait_s, step_s = 0.0, None
         while self.trainer.version < cfg.train.total_steps and self.rules.ended is None:
             if self.peers.found_dead is not None:  # found during the last step: stop before the next
                 self._check_peers(self.trainer.version)
@@ -270,9 +274,16 @@ class TrainerController:
                     self._while_waiting(v)
                     if stragglers and self.buffer.prompts >= cfg.train.batch_size:
                         self.stragglers.wait_s += time.time() - t_loop
+            if wait.name == "wait_data":
+                data_wait_s += time.time() - t_loop
             if groups is None:
                 look_s = 0.05
                 continue
+            # A step (not this trainer's first) that waited for data: the rollout side's lead
+            # follows the count (docs/design.md §10.50).
+            self.starved += int(step_s is not None and data_wait_s > max(0.02, 0.05 * step_s))
+            self.spare += int(self.buffer.prompts >= cfg.train.batch_size)
+            data_wait_s = 0.0
             # Right after a step the next batch is often buffered already: look without waiting
             # for a message (waiting for one cost ~40 ms a quickstart step, docs/benchmarks.md).
             look_s = 0.0
@@ -296,6 +307,7 @@ class TrainerController:
                 else:
                     self._announce(force=True)
                 self.telemetry.busy_s += time.time() - t0
+                step_s = time.time() - t0
                 self.telemetry.write_step(rec, self.telemetry.idle_ratio(),
                                           self.rollout.loaded_version if self.rollout is not None else None,
                                           budget=self.budget)
@@ -460,7 +472,7 @@ class TrainerController:
         ann = VersionAnnouncement(
             version=self.trainer.version,
             counts=GateCounts(consumed=self.buffer.consumed, dropped=self.buffer.dropped_sent,
-                              sent_base=self.sent_base),
+                              sent_base=self.sent_base, starved=self.starved, spare=self.spare),
             weights=weights,
             weight_store=self.weights.rendezvous,
             data_position=data_position,

@@ -267,7 +267,11 @@ class _Sim:
         self.rng = random.Random(seed)
         self.n = cfg.rollout.group_size
         self.B = cfg.samples_per_step
-        self.gate = StalenessGate(self.B, eta, cfg.staleness.max_concurrent)
+        self.gate = StalenessGate(self.B, eta, cfg.staleness.max_concurrent,
+                                  adaptive_lead=cfg.staleness.lead == "adaptive")
+        self.starved = self.spare = 0
+        """Steps that waited for data (the first apart) and that began with the next one's
+        data buffered (the trainer's `GateCounts.starved`, `.spare`)."""
         self.buffer = TrajectoryBuffer(eta, cfg.staleness.filter_uniform_groups)
         n_servers = max(1, split.rollout_devices // costs.decode.gpus_per_server)
         self.servers = [_Server(i) for i in range(n_servers)]
@@ -441,6 +445,10 @@ class _Sim:
         groups = self.buffer.pop_batch(self.trainer.version, self.cfg.train.batch_size)
         if groups is None:
             return
+        if self.trainer.step_times:  # as the trainer counts it: waited past 5 % of its last step and 20 ms
+            last = self.trainer.step_times[-1]
+            self.starved += int(self.clock.now - last > max(0.02, 0.05 * (last - self.trainer.started)))
+        self.spare += int(self.buffer.prompts >= self.cfg.train.batch_size)
         tokens = int(sum(t.metrics["tokens"] for g in groups for t in g.trajectories))
         self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now, tokens)
         self.retime_train()
@@ -464,7 +472,8 @@ class _Sim:
         """The trainer's cumulative counts reach the gate (drops free capacity; a step that
         took extra groups widens it). The step just trained makes version + 1."""
         self.gate.on_trainer_counts(self.buffer.consumed, self.buffer.dropped_sent,
-                                    trainer_version=self.trainer.version + 1)
+                                    trainer_version=self.trainer.version + 1, starved=self.starved,
+                                    spare=self.spare)
 
     def on_weights_delivered(self, version: int) -> None:
         """Every server applies the version: pause, and under recompute re-prefill in-flight contexts."""

@@ -12,10 +12,11 @@
 
   // Line charts: [series name, legend label]; `extra` go to the legend only (other scales).
   const LINES = [
-    { id: "chart-versions", step: true, series: [["trainer_version", "trainer"], ["rollout_version", "rollout (loaded)"]] },
-    { id: "chart-gate", step: true, series: [["gate_capacity", "capacity (η+v+1)·B"], ["gate_accepted", "accepted"],
+    { id: "chart-versions", step: true, series: [["trainer_version", "trainer"], ["rollout_version", "rollout (loaded)"]],
+      extra: [["gate_lead", "lead L (versions, ≤ η)"]] },
+    { id: "chart-gate", step: true, series: [["gate_capacity", "capacity (L+v+1)·B"], ["gate_accepted", "accepted"],
       ["gate_consumed", "consumed"]] },
-    { id: "chart-gate-state", step: true, series: [["gate_running", "running"], ["gate_free", "free (η allows)"],
+    { id: "chart-gate-state", step: true, series: [["gate_running", "running"], ["gate_free", "free (L allows)"],
       ["gate_dropped", "dropped"], ["over_stale", "over-stale"]],
       extra: [["gate_rejected_at_gate", "refused admissions"]] },
     { id: "chart-buffer", step: true, series: [["buffer_depth", "buffer depth"]] },
