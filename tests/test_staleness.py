@@ -242,7 +242,14 @@ def test_the_adaptive_lead_rises_with_each_wait_and_falls_after_calm_versions() 
         g.on_trainer_counts(8 * v, 4, trainer_version=v, starved=5, spare=spare)
     assert g.lead == 1  # never below one version
     g.rebase()  # a new trainer: its counts start again, and so does L
-    assert g.lead == 1 and g._starved == 0
+    assert g.lead == 1
+    g.on_trainer_counts(0, 0, trainer_version=0, starved=0)
+    g.on_trainer_counts(8, 0, trainer_version=1, starved=1)
+    assert g.lead == 2
+    # a rollout controller that joins a trainer which has waited 7 times takes that as it is
+    j = StalenessGate(B, 4, max_concurrent=1000, adaptive_lead=True)
+    j.on_trainer_counts(80, 0, trainer_version=10, starved=7, spare=2)
+    assert j.lead == 1
 
 
 @pytest.mark.parametrize("eta", [0, 3])

@@ -34,7 +34,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["StalenessGate", "GateState"]
+from areal_like.core.buffer import TrajectoryBuffer
+from areal_like.core.types import GateCounts
+
+__all__ = ["StalenessGate", "GateState", "GateTally"]
 
 
 @dataclass
@@ -146,7 +149,11 @@ class StalenessGate:
         """One more version of lead as soon as the trainer says a step waited for data.
         One less after `calm_versions` versions in a row whose steps each began with the
         next step's data already buffered: one version less of lead would still have had it
-        ready in time. Within [min(1, η), η]."""
+        ready in time. Within [min(1, η), η]. A rollout controller that joins a running
+        trainer takes its counts so far as they are."""
+        if self._lead_version < 0 and trainer_version is not None:
+            self._starved, self._spare, self._lead_version = starved, spare, trainer_version
+            return
         if starved > self._starved:
             self._starved = starved
             self.lead = min(self.eta, self.lead + 1)
@@ -179,3 +186,42 @@ class StalenessGate:
         """Restore after recovery. Episodes running at the crash did not survive it."""
         self.s = GateState(**state)
         self.s.running = 0
+
+
+class GateTally:
+    """The trainer's half: what it tells the gate (`GateCounts`). The buffer's cumulative
+    counts, the samples it held before a resume, and the two counts the lead follows:
+    steps that waited for their data, and steps that began with the next step's data
+    already buffered. The planner's simulated trainer keeps the same tally."""
+
+    WAIT_FRACTION = 0.05
+    """A step starved if it waited for data past this share of the step before it ..."""
+    WAIT_FLOOR_S = 0.02
+    """... and past this many seconds."""
+
+    def __init__(self, buffer: TrajectoryBuffer) -> None:
+        self.buffer = buffer
+        self.sent_base = 0
+        """Samples the trainer had received before this run was resumed (`rebase`)."""
+        self.starved = 0
+        self.spare = 0
+        self._last_step_s: float | None = None
+
+    def rebase(self) -> None:
+        """After a resume: what the buffer had received counts as sent."""
+        self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
+
+    def step_began(self, waited_s: float, num_groups: int) -> None:
+        """A step took its batch after waiting `waited_s` for data (eval and straggler waits
+        apart); `num_groups` is what a step takes. The trainer's first step waits for the
+        rollout side's first batch whatever the lead, so it does not count."""
+        if self._last_step_s is not None and waited_s > max(self.WAIT_FLOOR_S, self.WAIT_FRACTION * self._last_step_s):
+            self.starved += 1
+        self.spare += int(self.buffer.prompts >= num_groups)
+
+    def step_ended(self, step_s: float) -> None:
+        self._last_step_s = step_s
+
+    def counts(self) -> GateCounts:
+        return GateCounts(consumed=self.buffer.consumed, dropped=self.buffer.dropped_sent, sent_base=self.sent_base,
+                          starved=self.starved, spare=self.spare)

@@ -292,9 +292,8 @@ class GateSnapshot(_Strict):
     ahead: int = 0
     """Samples the trainer consumed beyond B per step (steps that took extra groups)."""
     capacity: int = 0
-    """(L + v + 1) · B + ahead."""
+    """(L + v + 1) · B + ahead, L the lead (≤ η, docs/design.md §10.50)."""
     lead: int = 0
-    """L: versions the rollout side may run ahead of the one it has loaded (≤ η)."""
 
 
 class EpisodeOutcomes(_Strict):
@@ -499,8 +498,7 @@ class RolloutStats(_Strict):
 
 class GateCounts(_Strict):
     """What became of the samples the rollout side sent (cumulative since the run began):
-    the gate frees capacity by them (docs/design.md §9.3); and how often the trainer
-    waited for them."""
+    the gate frees capacity by them (docs/design.md §9.3)."""
 
     consumed: int = Field(0, ge=0)
     dropped: int = Field(0, ge=0)
@@ -508,11 +506,9 @@ class GateCounts(_Strict):
     """Samples the trainer side had received before this run was resumed: the rollout
     gate counts them as sent, so `accepted` is right across recovery."""
     starved: int = Field(0, ge=0)
-    """Train steps (this trainer epoch, its first step apart) that waited for data: the
-    rollout side's lead follows it (docs/design.md §10.50)."""
+    """Train steps that waited for data, and that began with the next step's data buffered:"""
     spare: int = Field(0, ge=0)
-    """Train steps that began with the next step's data already buffered in full: a lead
-    one version shorter would have had it in time (§10.50)."""
+    """the rollout side's lead follows them (`GateTally`, docs/design.md §10.50)."""
 
 
 class TrainerId(_Strict):

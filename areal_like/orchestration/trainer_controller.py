@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.config import ExperimentConfig
 from areal_like.core.metrics import MetricsLog, MetricsRegistry
+from areal_like.core.staleness import GateTally
 from areal_like.core.types import (
-    GateCounts,
     Goodbye,
     RolloutStats,
     TrainerId,
@@ -174,10 +174,7 @@ class TrainerController:
                           say=self.notes.say)
         if pool is not None:  # `elastic.PoolRequest`: the server count asked for through the dashboard (§10.24)
             pool.follow(lambda: self.reports.latest, lambda: self.end.stopping, lambda: self.trainer.version)
-        self.sent_base = 0
-        self.starved = self.spare = 0
-        """Steps of this trainer that waited for data (its first apart), and that began with
-        the next step's data buffered: `GateCounts.starved`, `.spare`."""
+        self.tally = GateTally(self.buffer)
 
     @property
     def mlog(self) -> MetricsLog:
@@ -199,7 +196,7 @@ class TrainerController:
     # ---- resume ----------------------------------------------------------------------
     def resume(self) -> None:
         ckpt = self.checkpoints.load()
-        self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
+        self.tally.rebase()
         # The engines start from the base model. The resumed weights go to a rollout side once
         # it has joined this epoch's weight group and said hello (`_handle`, then
         # `feed_joining_rollout`): sent now, before anyone could join, the first transfer's
@@ -257,7 +254,7 @@ class TrainerController:
         self.budget = StepBudget()  # the first step's interval starts here
         t_wait = time.time()
         look_s = 0.05
-        data_wait_s, step_s = 0.0, None
+        data_wait_s = 0.0
         while self.trainer.version < cfg.train.total_steps and self.rules.ended is None:
             if self.peers.found_dead is not None:  # found during the last step: stop before the next
                 self._check_peers(self.trainer.version)
@@ -279,10 +276,7 @@ class TrainerController:
             if groups is None:
                 look_s = 0.05
                 continue
-            # A step (not this trainer's first) that waited for data: the rollout side's lead
-            # follows the count (docs/design.md §10.50).
-            self.starved += int(step_s is not None and data_wait_s > max(0.02, 0.05 * step_s))
-            self.spare += int(self.buffer.prompts >= cfg.train.batch_size)
+            self.tally.step_began(data_wait_s, cfg.train.batch_size)  # the lead follows it (§10.50)
             data_wait_s = 0.0
             # Right after a step the next batch is often buffered already: look without waiting
             # for a message (waiting for one cost ~40 ms a quickstart step, docs/benchmarks.md).
@@ -307,7 +301,7 @@ class TrainerController:
                 else:
                     self._announce(force=True)
                 self.telemetry.busy_s += time.time() - t0
-                step_s = time.time() - t0
+                self.tally.step_ended(time.time() - t0)
                 self.telemetry.write_step(rec, self.telemetry.idle_ratio(),
                                           self.rollout.loaded_version if self.rollout is not None else None,
                                           budget=self.budget)
@@ -471,8 +465,7 @@ class TrainerController:
         stopping = self.end.stopping
         ann = VersionAnnouncement(
             version=self.trainer.version,
-            counts=GateCounts(consumed=self.buffer.consumed, dropped=self.buffer.dropped_sent,
-                              sent_base=self.sent_base, starved=self.starved, spare=self.spare),
+            counts=self.tally.counts(),
             weights=weights,
             weight_store=self.weights.rendezvous,
             data_position=data_position,
@@ -505,7 +498,7 @@ class TrainerController:
             # Its gate must count what earlier controllers sent (trained, dropped, buffered):
             # a replacement that started from 0 admitted (η + v + 1)·B more and its samples
             # went over-stale (docs/design.md §10.3).
-            self.sent_base = self.buffer.consumed + self.buffer.dropped_sent + self.buffer.depth
+            self.tally.rebase()
         if isinstance(msg, TrajectoryGroup):
             startup.mark("first_group")
             self.stragglers.arrived(msg.group_id)

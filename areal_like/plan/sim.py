@@ -36,7 +36,7 @@ from typing import Any
 
 from areal_like.core.buffer import TrajectoryBuffer
 from areal_like.core.config import ExperimentConfig
-from areal_like.core.staleness import StalenessGate
+from areal_like.core.staleness import GateTally, StalenessGate
 from areal_like.core.types import Trajectory, TrajectoryGroup
 from areal_like.plan.costs import CostModel, LengthDist
 from areal_like.plan.sim_trainer import SimTrainer as _Trainer
@@ -269,10 +269,8 @@ class _Sim:
         self.B = cfg.samples_per_step
         self.gate = StalenessGate(self.B, eta, cfg.staleness.max_concurrent,
                                   adaptive_lead=cfg.staleness.lead == "adaptive")
-        self.starved = self.spare = 0
-        """Steps that waited for data (the first apart) and that began with the next one's
-        data buffered (the trainer's `GateCounts.starved`, `.spare`)."""
         self.buffer = TrajectoryBuffer(eta, cfg.staleness.filter_uniform_groups)
+        self.tally = GateTally(self.buffer)  # what the trainer tells the gate, the lead's counts too
         n_servers = max(1, split.rollout_devices // costs.decode.gpus_per_server)
         self.servers = [_Server(i) for i in range(n_servers)]
         self.cap = cfg.rollout.response_length
@@ -445,10 +443,10 @@ class _Sim:
         groups = self.buffer.pop_batch(self.trainer.version, self.cfg.train.batch_size)
         if groups is None:
             return
-        if self.trainer.step_times:  # as the trainer counts it: waited past 5 % of its last step and 20 ms
+        if self.trainer.step_times:
             last = self.trainer.step_times[-1]
-            self.starved += int(self.clock.now - last > max(0.02, 0.05 * (last - self.trainer.started)))
-        self.spare += int(self.buffer.prompts >= self.cfg.train.batch_size)
+            self.tally.step_ended(last - self.trainer.started)
+        self.tally.step_began(self.clock.now - last if self.trainer.step_times else 0.0, self.cfg.train.batch_size)
         tokens = int(sum(t.metrics["tokens"] for g in groups for t in g.trajectories))
         self.trainer.start(groups, train_step_s(self.costs, tokens, self.split.train_devices), self.clock.now, tokens)
         self.retime_train()
@@ -471,9 +469,9 @@ class _Sim:
     def announce(self) -> None:
         """The trainer's cumulative counts reach the gate (drops free capacity; a step that
         took extra groups widens it). The step just trained makes version + 1."""
-        self.gate.on_trainer_counts(self.buffer.consumed, self.buffer.dropped_sent,
-                                    trainer_version=self.trainer.version + 1, starved=self.starved,
-                                    spare=self.spare)
+        c = self.tally.counts()
+        self.gate.on_trainer_counts(c.consumed, c.dropped, trainer_version=self.trainer.version + 1,
+                                    starved=c.starved, spare=c.spare)
 
     def on_weights_delivered(self, version: int) -> None:
         """Every server applies the version: pause, and under recompute re-prefill in-flight contexts."""
