@@ -200,51 +200,55 @@ def test_simulated_async_run_respects_bound_and_counts_add_up(eta: int, seed: in
 
 
 def test_the_adaptive_lead_rises_with_each_wait_and_falls_after_calm_versions() -> None:
-    """docs/design.md §10.50 at the gate: L starts at 1, takes one more version per
-    announcement that says the trainer waited (up to η), and gives one back after 4
-    versions in a row whose steps each began with the next batch buffered. Capacity is
-    (L + v + 1) · B; repeated announcements of one version move nothing."""
+    """docs/design.md §10.50 at the gate: L starts at 1, takes one more version (up to η)
+    when the trainer says a step waited and another did within 4 versions, and gives one
+    back after 4 versions in a row whose steps each began with the next batch buffered.
+    Capacity is (L + v + 1) · B; repeated announcements of one version move nothing."""
     B = 8
     g = StalenessGate(B, 4, max_concurrent=1000, adaptive_lead=True)
     assert g.lead == 1 and g.capacity == 2 * B
     g.on_trainer_counts(0, 0, trainer_version=1, starved=0)
     g.on_trainer_counts(8, 0, trainer_version=2, starved=1)
+    assert g.lead == 1  # one wait: a burst
+    g.on_trainer_counts(8, 0, trainer_version=7, starved=2)
+    assert g.lead == 1  # another, 5 versions later: still a burst
+    g.on_trainer_counts(8, 0, trainer_version=9, starved=3)
+    assert g.lead == 2  # within 4 versions of the last: a pattern
+    g.on_trainer_counts(8, 0, trainer_version=9, starved=3)  # a heartbeat: the same count
     assert g.lead == 2
-    g.on_trainer_counts(8, 0, trainer_version=2, starved=1)  # a heartbeat: the same count
-    assert g.lead == 2
-    for starved in (2, 3, 4, 5):
-        g.on_trainer_counts(8, 0, trainer_version=2, starved=starved)
+    for starved in (4, 5, 6, 7):
+        g.on_trainer_counts(8, 0, trainer_version=9, starved=starved)
     assert g.lead == 4  # η caps it
-    g.set_loaded_version(2)
-    assert g.capacity == (4 + 2 + 1) * B
+    g.set_loaded_version(9)
+    assert g.capacity == (4 + 9 + 1) * B
     spare = 0
-    for v in range(3, 6):  # three spare versions: not yet
+    for v in range(10, 13):  # three spare versions: not yet
         spare += 1
-        g.on_trainer_counts(8 * v, 0, trainer_version=v, starved=5, spare=spare)
+        g.on_trainer_counts(8 * v, 0, trainer_version=v, starved=7, spare=spare)
     assert g.lead == 4
-    g.on_trainer_counts(8 * 6, 0, trainer_version=6, starved=5, spare=spare)  # v6's step was not spare
+    g.on_trainer_counts(8 * 13, 0, trainer_version=13, starved=7, spare=spare)  # v13's step was not spare
     assert g.lead == 4
-    for v in range(7, 11):
+    for v in range(14, 18):
         spare += 1
-        g.on_trainer_counts(8 * v, 0, trainer_version=v, starved=5, spare=spare)
+        g.on_trainer_counts(8 * v, 0, trainer_version=v, starved=7, spare=spare)
     assert g.lead == 3
-    # step 11 began spare, said first by a drop announcement within it (still v10), then by
-    # v11's own: one spare version, not lost; v12–v14 spare too make four: one less
+    # step 18 began spare, said first by a drop announcement within it (still v17), then by
+    # v18's own: one spare version, not lost; v19–v21 spare too make four: one less
     spare += 1
-    g.on_trainer_counts(80, 4, trainer_version=10, starved=5, spare=spare)
-    g.on_trainer_counts(88, 4, trainer_version=11, starved=5, spare=spare)
-    for v in range(12, 15):
+    g.on_trainer_counts(8 * 17, 4, trainer_version=17, starved=7, spare=spare)
+    g.on_trainer_counts(8 * 18, 4, trainer_version=18, starved=7, spare=spare)
+    for v in range(19, 22):
         spare += 1
-        g.on_trainer_counts(8 * v, 4, trainer_version=v, starved=5, spare=spare)
+        g.on_trainer_counts(8 * v, 4, trainer_version=v, starved=7, spare=spare)
     assert g.lead == 2
-    for v in range(15, 100):
+    for v in range(22, 100):
         spare += 1
-        g.on_trainer_counts(8 * v, 4, trainer_version=v, starved=5, spare=spare)
+        g.on_trainer_counts(8 * v, 4, trainer_version=v, starved=7, spare=spare)
     assert g.lead == 1  # never below one version
     g.rebase()  # a new trainer: its counts start again, and so does L
     assert g.lead == 1
     g.on_trainer_counts(0, 0, trainer_version=0, starved=0)
-    g.on_trainer_counts(8, 0, trainer_version=1, starved=1)
+    g.on_trainer_counts(16, 0, trainer_version=2, starved=2)  # two steps waited since the last word
     assert g.lead == 2
     # a rollout controller that joins a trainer which has waited 7 times takes that as it is
     j = StalenessGate(B, 4, max_concurrent=1000, adaptive_lead=True)

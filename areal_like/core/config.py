@@ -368,9 +368,10 @@ class StalenessConfig(_Section):
     """η: no sample whose head version lags the trainer by more than η is trained on.
     0 is synchronous RL."""
     lead: Literal["adaptive", "full"] = "adaptive"
-    """How far ahead of the trainer the rollout side runs. `adaptive`: one version, one
-    more (up to η) each time the trainer waits for data, one less after 4 versions that
-    did not; the trainer trains the freshest samples that keep it fed. `full`: always η
+    """How far ahead of the trainer the rollout side runs. `adaptive`: one version; one
+    more (up to η) when two steps within 4 versions waited for data, one less after 4
+    versions that began with the next batch buffered; the trainer trains the freshest
+    samples that keep it fed. `full`: always η
     versions ahead, as in AReaL (staleness ablations want every sample η old). Either way
     no trained sample lags by more than η (docs/design.md §10.50)."""
     max_concurrent: int = Field(128, ge=1)

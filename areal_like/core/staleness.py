@@ -21,13 +21,14 @@ at the latest in step `η + v`, i.e. with lag `v_t − v ≤ η`. Drops free the
 stays shut while the trainer waits. The trainer re-checks the bound at consume time
 anyway (`TrajectoryBuffer`), because drops and failures can reorder what it sees.
 
-The lead L (docs/design.md §10.50). With `adaptive_lead`, L starts at 1 (0 at η = 0) and
-rises by one, up to η, each time the trainer says it waited for data (its cumulative
-`starved` count grew); after `calm_versions` versions in a row whose steps each began with
-the next step's data already buffered (`spare`) it falls by one. η is a bound, not a target: where one version of lead keeps the trainer fed, the
-rollout side does not run η versions ahead of it, so the trainer trains fresher samples
-at the same speed. Without it (`staleness.lead: full`), L = η, as in AReaL. Since L ≤ η,
-the argument above holds with L in place of η.
+The lead L (docs/design.md §10.50). With `adaptive_lead`, L starts at 1 (0 at η = 0). It
+rises by one, up to η, when the trainer says a step waited for data (its cumulative
+`starved` count grew) and another did within `calm_versions` versions. It falls by one
+after `calm_versions` versions in a row whose steps each began with the next step's data
+already buffered (`spare`). η is a bound, not a target: where one version of lead keeps the
+trainer fed, the rollout side does not run η versions ahead of it, so the trainer trains
+fresher samples at the same speed. With `staleness.lead: full`, L = η, as in AReaL. Since
+L ≤ η, the argument above holds with L in place of η.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class StalenessGate:
         """L: versions the rollout side may run ahead of what it has loaded (≤ η)."""
         self._starved = self._spare = self._calm = 0
         self._lead_version = -1
+        self._wait_version: int | None = None
 
     @property
     def accepted(self) -> int:
@@ -146,26 +148,30 @@ class StalenessGate:
             self._follow_lead(starved, spare, trainer_version)
 
     def _follow_lead(self, starved: int, spare: int, trainer_version: int | None) -> None:
-        """One more version of lead as soon as the trainer says a step waited for data.
-        One less after `calm_versions` versions in a row whose steps each began with the
-        next step's data already buffered: one version less of lead would still have had it
-        ready in time. Within [min(1, η), η]. A rollout controller that joins a running
-        trainer takes its counts so far as they are."""
+        """One more version of lead when the trainer says a step waited for data and
+        another did within the last `calm_versions` versions (one wait alone is a burst that
+        more lead would not have spared, two are a pattern). One less after `calm_versions`
+        versions in a row whose steps each began with the next step's data already
+        buffered: one version less of lead would still have had it ready in time. Within
+        [min(1, η), η]. A rollout controller that joins a running trainer takes its counts
+        so far as they are."""
         if self._lead_version < 0 and trainer_version is not None:
             self._starved, self._spare, self._lead_version = starved, spare, trainer_version
             return
         if starved > self._starved:
-            self._starved = starved
-            self.lead = min(self.eta, self.lead + 1)
-            self._calm = 0
+            at = trainer_version if trainer_version is not None else self._lead_version
+            again = starved - self._starved > 1 or (
+                self._wait_version is not None and at - self._wait_version <= self.calm_versions)
+            if again:
+                self.lead = min(self.eta, self.lead + 1)
+            self._starved, self._wait_version, self._calm = starved, at, 0
         if trainer_version is None or trainer_version <= self._lead_version:
             return  # a heartbeat, or a drop announcement within a step: the counts are per version
-        if self._lead_version >= 0:
-            all_spare = spare - self._spare >= trainer_version - self._lead_version
-            self._calm = self._calm + 1 if all_spare else 0
-            if self._calm >= self.calm_versions:
-                self.lead = max(min(1, self.eta), self.lead - 1)
-                self._calm = 0
+        all_spare = spare - self._spare >= trainer_version - self._lead_version
+        self._calm = self._calm + 1 if all_spare else 0
+        if self._calm >= self.calm_versions:
+            self.lead = max(min(1, self.eta), self.lead - 1)
+            self._calm = 0
         self._lead_version, self._spare = trainer_version, spare
 
     def set_loaded_version(self, version: int) -> None:
