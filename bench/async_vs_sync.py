@@ -115,7 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--etas", default="0,1,2,4")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per η, in alternating order; medians. Three: beside the bursty neighbour one "
+                         "run's samples/s moves ±4 %% between identical runs (docs/design.md §10.50)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
