@@ -143,6 +143,7 @@ def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
             "train_borrow": rollout_threads // backend.world_size,
             "train_grace_s": 1e-6 if c.colocate else 0.1,
             # colocated, the servers are held for the step by protocol: their process's own
-            # moments of work are no neighbour to keep the threads home from (§10.16)
-            "train_crowded_hold_s": 0.0 if c.colocate else 1.0,
+            # moments of work are no neighbour to keep the threads home from. Else 3 s: a
+            # neighbour back within that is seen again before the hold ends (§10.16)
+            "train_crowded_hold_s": 0.0 if c.colocate else 3.0,
             "rollout_borrow": train_threads // cfg.rollout.num_servers}
