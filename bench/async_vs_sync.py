@@ -39,8 +39,11 @@ taken); `--background bursty` one that takes a whole core for 0.5 s, then none f
 four of the bursty neighbour's 1 s cycles, and one run of an η differed from the next by
 up to 20 % (42.5 against 53.0 samples/s at η = 0), so the 3 % bar on η's order was decided
 by noise. At 40 steps (33 measured, ~12 s) the two repeats of an η were within 1-6 %.
+**Three repeats** by default, and the order of η paired within each repeat as well
+(`samples_per_s_paired_ratio`): with every η ≥ 1 training the same samples (the adaptive
+lead, docs/design.md §10.50) identical runs still moved ±4-6 % beside the neighbour.
 
-    python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 40] [--repeats 2] [--background-cores 0.5]
+    python bench/async_vs_sync.py [--etas 0,1,2,4] [--steps 40] [--repeats 3] [--background-cores 0.5]
     python bench/async_vs_sync.py --etas 0,1,2,4 --background bursty
     python bench/async_vs_sync.py --smoke   # η 0 and 2, 2 steps of 2 prompts, tails of 16
                                             # tokens at most, 8 held-out problems, 1 repeat,
