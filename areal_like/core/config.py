@@ -371,9 +371,9 @@ class StalenessConfig(_Section):
     """How far ahead of the trainer the rollout side runs. `adaptive`: one version; one
     more (up to η) when two steps within 4 versions waited for data, one less after 4
     versions that began with the next batch buffered; the trainer trains the freshest
-    samples that keep it fed. `full`: always η
-    versions ahead, as in AReaL (staleness ablations want every sample η old). Either way
-    no trained sample lags by more than η (docs/design.md §10.50)."""
+    samples that keep it fed. `full`: always η versions ahead, as in AReaL (staleness
+    ablations want every sample η old). Either way no trained sample lags by more than η
+    (docs/design.md §10.50)."""
     max_concurrent: int = Field(128, ge=1)
     """Most episodes running at once across the rollout pool."""
     filter_uniform_groups: bool = True

@@ -506,9 +506,9 @@ class GateCounts(_Strict):
     """Samples the trainer side had received before this run was resumed: the rollout
     gate counts them as sent, so `accepted` is right across recovery."""
     starved: int = Field(0, ge=0)
-    """Train steps that waited for data, and that began with the next step's data buffered:"""
+    """Train steps that waited for data (`GateTally`, docs/design.md §10.50)."""
     spare: int = Field(0, ge=0)
-    """the rollout side's lead follows them (`GateTally`, docs/design.md §10.50)."""
+    """Train steps that began with the next step's data buffered. The lead follows both."""
 
 
 class TrainerId(_Strict):
