@@ -122,6 +122,27 @@ def test_the_lender_leaves_a_core_that_a_process_outside_the_run_holds(tmp_path)
         assert held.pick() == 1
         time.sleep(0.35)
         assert held.pick() == 2
+
+        # The hold runs from the neighbour's last sighting: one that comes back within it (a
+        # neighbour busy every second against a 3 s hold) keeps the threads home throughout.
+        back = ThreadLender(trainer, own=1, borrow=1, other="rollout", grace_s=0.0,
+                            runnable=lambda: elsewhere[0], cpus=2, crowded_hold_s=0.3)
+        elsewhere[0] = 1
+        assert back.pick() == 1
+        time.sleep(0.06)
+        assert back.pick() == 1  # seen twice: held until 0.3 s from now
+        elsewhere[0] = 0
+        time.sleep(0.15)
+        assert back.pick() == 1
+        elsewhere[0] = 1  # back while held
+        assert back.pick() == 1
+        time.sleep(0.06)
+        assert back.pick() == 1
+        elsewhere[0] = 0
+        time.sleep(0.2)  # past the first hold's end, within the second's
+        assert back.pick() == 1
+        time.sleep(0.15)
+        assert back.pick() == 2
     finally:
         torch.set_num_threads(before)
 

@@ -160,7 +160,7 @@ class ThreadLender:
     threads against 0.59 s on 1 (0.36 s on 2 when quiet).
 
     A neighbour seen at two checks 50 ms to 0.5 s apart (none free between) keeps the threads
-    home for `crowded_hold_s` (3 s for a trainer): one that comes and goes (busy 0.5 s, idle
+    home until `crowded_hold_s` (3 s for a trainer) after it was last seen so: one that comes and goes (busy 0.5 s, idle
     0.5 s) is free at half the checks and back within the borrowed thread's next
     micro-batch. Beside it, borrowing made the trainer spend 0.57-0.62 core-s a step against 0.53-0.55 unborrowed,
     on a machine that had no core-second to spare. One check alone does not hold: the
@@ -186,14 +186,15 @@ class ThreadLender:
     def _core_free(self, now: float) -> bool:
         if self._cpus is None:
             return True
-        if now - self._crowded_at < self.crowded_hold_s:
-            return False
         others = self._runnable()
         if others is None:
-            return True
+            return now - self._crowded_at >= self.crowded_hold_s
         if others + self.own + self.borrow <= self._cpus:
             self._first_crowded = None
-            return True
+            return now - self._crowded_at >= self.crowded_hold_s
+        # counted during a hold too: the hold runs from the neighbour's last sighting, so one
+        # that comes back every second keeps the threads home instead of meeting a borrowed
+        # thread each time a hold from its first sighting ran out
         if self._first_crowded is None or now - self._first_crowded > 0.5:
             self._first_crowded = now
         elif now - self._first_crowded >= 0.05:  # still there: a neighbour, not a moment's thread

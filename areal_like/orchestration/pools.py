@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from areal_like.core.config import ConfigError, ExperimentConfig
+from areal_like.core.config import ConfigError, EmbeddedEngineConfig, ExperimentConfig
 
 __all__ = ["COLOCATED_GPU_SHARE", "MIN_CPU_SHARE", "check_pools", "gpus_per_server", "place", "rollout_bundles",
            "server_gpu_request", "train_bundles",
@@ -129,8 +129,8 @@ def thread_lending(cfg: ExperimentConfig) -> dict[str, Any] | None:
     (a folder with a ledger in it would make the trainer refuse run.dir as a finished run's)."""
     c = cfg.cluster
     engine = cfg.rollout.engine
-    if (not (c.lend_idle_threads or c.colocate) or c.ray_address or engine.type != "embedded"
-            or getattr(engine, "device", "cpu") != "cpu" or cfg.train.backend.device != "cpu"
+    if (not (c.lend_idle_threads or c.colocate) or c.ray_address or not isinstance(engine, EmbeddedEngineConfig)
+            or engine.device != "cpu" or cfg.train.backend.device != "cpu"
             or cfg.train.backend.type != "torch"):
         return None
     if not Path(cfg.run.dir).is_dir():  # no trainer of this run here (yet): nobody to lend to
