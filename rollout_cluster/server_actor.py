@@ -56,12 +56,13 @@ class ServerActor:
         import torch
         from pydantic import TypeAdapter
 
-        from areal_like.core.config import EngineConfig, WeightSyncConfig
+        from areal_like.core.config import EmbeddedEngineConfig, EngineConfig, WeightSyncConfig
         from rollout_cluster.server import RolloutServer
         from weight_sync import make_receiver
 
         model_path, engine_json, interrupt_mode, seed, threads, ws_json, disk_path = self._args
         engine_cfg = TypeAdapter(EngineConfig).validate_python(engine_json)
+        device = engine_cfg.device if isinstance(engine_cfg, EmbeddedEngineConfig) else "cpu"
         ws_cfg = TypeAdapter(WeightSyncConfig).validate_python(ws_json)
         torch.set_num_threads(threads)
         try:
@@ -69,14 +70,12 @@ class ServerActor:
                                         seed=seed, set_threads=False, dtype=self.dtype)
         except Exception as e:
             where = self.device()
-            device = getattr(engine_cfg, "device", "cpu")
             if device != "cpu":
                 where = f"{device}, {where}"
             first = (str(e).strip().splitlines() or [""])[0]
             raise ServerStartError(
                 f"rollout server {self.name} on {where} could not start: {type(e).__name__}: {first}"
             ) from e
-        device = getattr(engine_cfg, "device", "cpu")
         receiver = make_receiver(ws_cfg, self.name, device="cpu" if device == "cpu" else device,
                                  default_disk_path=disk_path)
         self.server.attach_receiver(receiver, self.name, ws_cfg.timeout_s)

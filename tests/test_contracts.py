@@ -27,12 +27,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "a vLLM layer's quant method (foreign), which only some methods have",
     ("rollout_cluster/engine/vllm_worker.py", "device"):
         "the vLLM worker the extension is mixed into (foreign) sets `device`; a bare one in tests does not",
-    ("areal_like/launcher/__init__.py", "device"):
-        "a name clash: the engine config's field (embedded only), not `ServerActor.device()`",
-    ("areal_like/orchestration/pools.py", "device"):
-        "a name clash: the engine config's field (embedded only), not `ServerActor.device()`",
-    ("rollout_cluster/server_actor.py", "device"):
-        "a name clash: the engine config's field (embedded only), not `ServerActor.device()`",
     ("areal_like/orchestration/cli.py", "summary"):
         "any KeyboardInterrupt (Ctrl-C's is Python's); only our RunInterrupted carries `summary`, a field",
     ("areal_like/orchestration/trainer_side.py", "waiting"):

@@ -51,9 +51,11 @@ def choose_launcher(cfg: Any, user: dict[str, Any] | None = None) -> str:
             raise ConfigError("cluster.launcher=local starts plain processes on this machine: it cannot join "
                               f"the Ray cluster at cluster.ray_address={c.ray_address} (use launcher ray)")
         return str(c.launcher)
+    from areal_like.core.config import EmbeddedEngineConfig
+
     gpus = (c.rollout_pool.num_gpus or 0) + (c.train_pool.num_gpus or 0)
     engine = cfg.rollout.engine
-    if (c.ray_address or gpus or engine.type != "embedded" or getattr(engine, "device", "cpu") != "cpu"
+    if (c.ray_address or gpus or not isinstance(engine, EmbeddedEngineConfig) or engine.device != "cpu"
             or cfg.train.backend.device != "cpu"):
         return "ray"
     return "local"  # the API's callables travel by value (`local._call_frame`), whatever defined them
