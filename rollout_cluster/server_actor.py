@@ -76,7 +76,7 @@ class ServerActor:
             raise ServerStartError(
                 f"rollout server {self.name} on {where} could not start: {type(e).__name__}: {first}"
             ) from e
-        receiver = make_receiver(ws_cfg, self.name, device="cpu" if device == "cpu" else device,
+        receiver = make_receiver(ws_cfg, self.name, device=device,
                                  default_disk_path=disk_path)
         self.server.attach_receiver(receiver, self.name, ws_cfg.timeout_s)
         if self.lend and self.server.engine.lends_threads:  # the embedded engine on CPU

@@ -160,7 +160,7 @@ class ThreadLender:
     threads against 0.59 s on 1 (0.36 s on 2 when quiet).
 
     A neighbour seen at two checks 50 ms to 0.5 s apart (none free between) keeps the threads
-    home until `crowded_hold_s` (3 s for a trainer) after it was last seen so: one that comes and goes (busy 0.5 s, idle
+    home until `crowded_hold_s` (3 s for a trainer) after its last such sighting: one that comes and goes (busy 0.5 s, idle
     0.5 s) is free at half the checks and back within the borrowed thread's next
     micro-batch. Beside it, borrowing made the trainer spend 0.57-0.62 core-s a step against 0.53-0.55 unborrowed,
     on a machine that had no core-second to spare. One check alone does not hold: the
